@@ -1,0 +1,1 @@
+"""Calibration: expert-similarity matrices for a model (installed as ``sere_fx.calibration``)."""

@@ -1,0 +1,1 @@
+"""Exporters: deployable artifacts of transformed models (installed as ``sere_fx.exporters``)."""

@@ -1,0 +1,24 @@
+"""sere-fx: training-free, batch-aware expert re-routing for MoE models, as a graph pass.
+
+    model = sere_fx.transform(model, sim, S=2, rho=0.5)
+"""
+
+from sere_fx import ops  # noqa: F401  (registers torch.ops.sere.reroute)
+from sere_fx.passes.matcher import RoutingMatchError
+from sere_fx.similarity import Similarity
+from sere_fx.stats import LayerStats
+from sere_fx.transform import DEFAULT_MAX_TOKENS, SereSettings, is_transformed, restore, routing_stats, transform
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "transform",
+    "restore",
+    "is_transformed",
+    "routing_stats",
+    "Similarity",
+    "SereSettings",
+    "LayerStats",
+    "RoutingMatchError",
+    "DEFAULT_MAX_TOKENS",
+]

@@ -1,0 +1,114 @@
+"""Find the MoE layers of a model and the routing site of each.
+
+An MoE block is a module with an ``experts`` child (the transformers 5 convention, fused
+3-D expert weights or an ``nn.ModuleList``). Its router is whichever *other* child holds
+a routing site: each is traced with ``torch.fx`` and handed to the one matcher. Blocks
+without ``experts`` (dense MLPs) are not MoE layers and are left alone.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from sere_fx.passes.matcher import RoutingMatchError, RoutingSite, describe_topks, match_router, op_kind
+from sere_fx.passes.trace import annotate_shapes, trace_module
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+@dataclass
+class MoELayer:
+    index: int  # decoder-layer index (from the module path), or MoE order if the path has none
+    name: str  # qualified name of the MoE block
+    experts: nn.Module
+    num_experts: int
+    router_name: str  # qualified name of the router module
+    router: nn.Module
+    graph: fx.Graph  # the router's traced graph, shapes annotated
+    site: RoutingSite
+
+    @property
+    def top_k(self) -> int:
+        return self.site.k
+
+
+def expert_count(experts: nn.Module, where: str) -> int:
+    for attr in ("num_experts", "num_local_experts"):
+        n = getattr(experts, attr, None)
+        if isinstance(n, int):
+            return n
+    if isinstance(experts, nn.ModuleList):
+        return len(experts)
+    for p in experts.parameters(recurse=False):
+        if p.dim() == 3:
+            return int(p.shape[0])
+    raise RoutingMatchError(f"{where}: cannot tell how many experts it holds (no num_experts, not a ModuleList, no 3-D weight)")
+
+
+def _example_input(experts: nn.Module, hidden_size: int) -> torch.Tensor:
+    p = next(experts.parameters(), None)
+    dtype = p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
+    device = p.device if p is not None else torch.device("cpu")
+    if device.type == "meta":
+        raise ValueError("model: its expert weights are on the 'meta' device; load real weights before transform")
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(3, hidden_size, generator=gen).to(device=device, dtype=dtype)
+
+
+def _router_of(block_name: str, block: nn.Module, experts: nn.Module, num_experts: int, hidden_size: int):
+    seen = []
+    found = []
+    for child_name, child in block.named_children():
+        if child is experts:
+            continue
+        where = f"{block_name}.{child_name}"
+        try:
+            graph = trace_module(child)
+        except Exception as exc:  # a child fx cannot trace cannot be a router we rewrite
+            seen.append(f"{child_name} ({type(child).__name__}): not traceable by torch.fx ({type(exc).__name__}: {exc})")
+            continue
+        if not any(op_kind(n) == "topk" for n in graph.nodes):
+            seen.append(f"{child_name} ({type(child).__name__}): no top-k")
+            continue
+        annotate_shapes(child, graph, _example_input(experts, hidden_size))
+        site = match_router(graph, num_experts, where)
+        if site is None:
+            seen.append(f"{child_name} ({type(child).__name__}): top-ks {describe_topks(graph)} are not over {num_experts} experts")
+            continue
+        found.append((where, child, graph, site))
+    if not found:
+        raise RoutingMatchError(
+            f"{block_name} ({type(block).__name__}): has {num_experts} experts but no child routes to them. "
+            f"Seen: {'; '.join(seen) or 'no children besides experts'}. "
+            "Routing written inline in the block's forward is not supported."
+        )
+    if len(found) > 1:
+        raise RoutingMatchError(f"{block_name}: several children route to its experts: {[f[0] for f in found]}")
+    return found[0]
+
+
+def find_moe_layers(model: nn.Module) -> list[MoELayer]:
+    """Every MoE layer of ``model`` in module order, each with its router's routing site."""
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+    layers = []
+    for name, block in model.named_modules():
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.Module) or experts not in block.children():
+            continue
+        num_experts = expert_count(experts, f"{name}.experts")
+        if not isinstance(hidden_size, int):
+            raise RoutingMatchError(f"model ({type(model).__name__}): needs config.hidden_size to trace its routers")
+        router_name, router, graph, site = _router_of(name, block, experts, num_experts, hidden_size)
+        match = _LAYER_INDEX.search(name)
+        index = int(match.group(1)) if match else len(layers)
+        layers.append(MoELayer(index, name, experts, num_experts, router_name, router, graph, site))
+    if not layers:
+        raise RoutingMatchError(
+            f"model ({type(model).__name__}): no MoE layer found (no module has an 'experts' child)"
+        )
+    return layers
+

@@ -1,0 +1,1 @@
+"""Device kernels. Each module exposes ``AVAILABLE`` and degrades to the PyTorch path without its toolchain."""

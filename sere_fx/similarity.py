@@ -1,0 +1,140 @@
+"""Expert-similarity matrices: the container ``transform`` consumes and calibration produces.
+
+A ``Similarity`` maps a decoder-layer index to a float ``[E, E]`` matrix (1 on the
+diagonal, larger = more alike) plus free-form metadata (method, model identity, ...).
+Files are safetensors: one tensor ``layer.<i>`` per MoE layer and the metadata as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+
+_META_KEY = "sere_fx"
+
+
+class Similarity(Mapping):
+    """``{decoder_layer_index: Tensor[E, E]}`` with metadata; ``save``/``load`` round-trip."""
+
+    def __init__(self, matrices: Mapping[int, torch.Tensor], metadata: Mapping | None = None):
+        self._matrices = {int(k): v for k, v in sorted(matrices.items())}
+        self.metadata = dict(metadata or {})
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self._matrices[layer]
+
+    def __iter__(self):
+        return iter(self._matrices)
+
+    def __len__(self) -> int:
+        return len(self._matrices)
+
+    def __repr__(self) -> str:
+        shapes = {k: tuple(v.shape) for k, v in self._matrices.items()}
+        return f"Similarity(layers={shapes}, metadata={self.metadata})"
+
+    def save(self, path: str | os.PathLike) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {f"layer.{k}": v.detach().to("cpu", torch.float32).contiguous() for k, v in self._matrices.items()}
+        save_file(tensors, os.fspath(path), metadata={_META_KEY: json.dumps(self.metadata, sort_keys=True)})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Similarity":
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"sim: no similarity file at {path!r}")
+        matrices, metadata = {}, {}
+        with safe_open(path, framework="pt") as f:
+            raw = (f.metadata() or {}).get(_META_KEY)
+            metadata = json.loads(raw) if raw else {}
+            for key in f.keys():
+                prefix, _, index = key.partition(".")
+                if prefix != "layer" or not index.isdigit():
+                    raise ValueError(f"sim: {path!r} has tensor {key!r}; expected keys 'layer.<decoder layer index>'")
+                matrices[int(index)] = f.get_tensor(key)
+        return cls(matrices, metadata)
+
+
+def as_similarity(sim) -> Similarity:
+    """Accept a ``Similarity``, a path, a ``{layer: Tensor}`` mapping or a sequence in MoE-layer order.
+
+    A sequence becomes a mapping keyed by *position* (-1 - i), resolved against the model's
+    MoE layers by ``resolve``.
+    """
+    if isinstance(sim, Similarity):
+        return sim
+    if isinstance(sim, (str, os.PathLike)):
+        return Similarity.load(sim)
+    if isinstance(sim, Mapping):
+        for k, v in sim.items():
+            if not isinstance(k, int) or isinstance(k, bool):
+                raise TypeError(f"sim: mapping keys must be decoder-layer indices (int), got {k!r}")
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"sim[{k}]: expected a torch.Tensor, got {type(v).__name__}")
+        return Similarity(sim)
+    if isinstance(sim, Sequence) and not isinstance(sim, (bytes, str)):
+        for i, v in enumerate(sim):
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"sim[{i}]: expected a torch.Tensor, got {type(v).__name__}")
+        seq = Similarity({i: v for i, v in enumerate(sim)}, {"_in_moe_order": True})
+        return seq
+    raise TypeError(
+        "sim: expected a Similarity, a path to a saved similarity file, a mapping "
+        f"{{decoder_layer_index: Tensor[E, E]}} or a sequence of [E, E] tensors; got {type(sim).__name__}"
+    )
+
+
+def resolve(sim, layers: Sequence) -> dict[int, torch.Tensor]:
+    """Match ``sim`` to the model's MoE layers (objects with ``index``, ``name``, ``num_experts``).
+
+    Returns ``{decoder_layer_index: float32 [E, E]}``; every mismatch raises naming the
+    argument, the expected and the actual value.
+    """
+    sim = as_similarity(sim)
+    indices = [layer.index for layer in layers]
+    if sim.metadata.get("_in_moe_order"):
+        if len(sim) != len(layers):
+            raise ValueError(
+                f"sim: expected {len(layers)} matrices (one per MoE layer, decoder layers {indices}), got {len(sim)}"
+            )
+        matrices = {layer.index: sim[i] for i, layer in enumerate(layers)}
+    else:
+        if sorted(sim) != sorted(indices):
+            raise ValueError(
+                f"sim: expected matrices for the MoE decoder layers {indices}, got layers {sorted(sim)}"
+            )
+        matrices = {layer.index: sim[layer.index] for layer in layers}
+    out = {}
+    for layer in layers:
+        m = matrices[layer.index]
+        e = layer.num_experts
+        if tuple(m.shape) != (e, e):
+            raise ValueError(
+                f"sim[{layer.index}]: expected shape [{e}, {e}] (experts of {layer.name}), got {list(m.shape)}"
+            )
+        if not m.dtype.is_floating_point:
+            raise TypeError(f"sim[{layer.index}]: expected a floating-point tensor, got {m.dtype}")
+        finite = torch.isfinite(m)
+        if not bool(finite.all()):
+            bad = (~finite).nonzero()[0].tolist()
+            raise ValueError(
+                f"sim[{layer.index}]: expected finite values, got {m[bad[0], bad[1]].item()} at {bad} "
+                f"({int((~finite).sum())} non-finite entries)"
+            )
+        out[layer.index] = m.detach().to(torch.float32).clone()
+    return out
+
+
+def check_finite_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a finite float, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite float, got {value}")
+    return float(value)

@@ -1,0 +1,52 @@
+"""Independent plain-loop references, written straight from the documented rules."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reroute_loop(topk_ids, similarity, S: int, rho: float):
+    """``sere.reroute`` as nested Python loops over tokens and slots (float64 similarity)."""
+    ids = [[int(e) for e in row] for row in topk_ids.tolist()]
+    sim = similarity.to(torch.float64).tolist()
+    if not ids or S >= len(ids[0]):
+        return torch.tensor(ids, dtype=torch.int64).reshape(topk_ids.shape)
+    primary = sorted({row[s] for row in ids for s in range(S)})
+    rho32 = float(torch.tensor(rho, dtype=torch.float32))
+    out = []
+    for row in ids:
+        new_row = list(row)
+        for s in range(S, len(row)):
+            e = row[s]
+            if e in primary:
+                continue
+            best, best_sim = None, None
+            for p in primary:  # ascending, strict '>' keeps the lowest index on ties
+                value = float(torch.tensor(sim[e][p], dtype=torch.float32))
+                if best is None or value > best_sim:
+                    best, best_sim = p, value
+            if rho > 0 and best_sim < rho32:
+                continue  # critical: kept
+            new_row[s] = best
+        out.append(new_row)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def rank_order(topk_ids, topk_values):
+    """Slot permutation putting each token's slots in descending value order (stable)."""
+    perms = []
+    for vals in topk_values.tolist():
+        perms.append(sorted(range(len(vals)), key=lambda s: (-vals[s], s)))
+    return torch.tensor(perms, dtype=torch.int64).reshape(topk_ids.shape)
+
+
+def reroute_unsorted_loop(topk_ids, topk_values, similarity, S: int, rho: float):
+    """Re-route slots that are not in rank order: rank, re-route, put each slot back."""
+    perm = rank_order(topk_ids, topk_values)
+    ranked = torch.gather(topk_ids, 1, perm)
+    rerouted = reroute_loop(ranked, similarity, S, rho)
+    out = topk_ids.clone()
+    for t in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[t, perm[t, j]] = rerouted[t, j]
+    return out

@@ -1,0 +1,185 @@
+"""``torch.ops.sere.reroute``: PyTorch and Triton implementations against the plain-loop reference."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sere_fx
+from reference import reroute_loop
+from sere_fx import ops
+from sere_fx.kernels import reroute_triton
+
+reroute = torch.ops.sere.reroute
+
+needs_triton = pytest.mark.skipif(not reroute_triton.AVAILABLE, reason="triton not installed")
+
+
+@st.composite
+def cases(draw):
+    E = draw(st.integers(2, 48))
+    K = draw(st.integers(1, min(E, 8)))
+    T = draw(st.integers(1, 40))
+    S = draw(st.integers(1, K + 1))  # K + 1: S > K is also the identity
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    levels = draw(st.sampled_from([0, 2, 4, 1000]))  # few levels -> many ties
+    sim = torch.rand(E, E, generator=g) * 2 - 0.5  # outside [0, 1] too: the op must not care
+    if levels:
+        sim = torch.round(sim * levels) / levels
+    rho = draw(st.sampled_from([0.0, -0.3, 0.25, 0.5, 0.9, float(sim.median())]))
+    return ids, sim, S, rho
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_aten_matches_loop_reference(case):
+    ids, sim, S, rho = case
+    before = ids.clone()
+    out = reroute(ids, sim, S, rho)
+    assert torch.equal(ids, before), "input mutated"
+    assert out.dtype == torch.int64 and out.shape == ids.shape
+    assert torch.equal(out, reroute_loop(ids, sim, S, rho))
+
+
+@needs_triton
+@settings(max_examples=60, deadline=None)
+@given(cases())
+def test_triton_matches_aten(case):
+    ids, sim, S, rho = case
+    with ops.use_triton():
+        out = reroute(ids, sim, S, rho)
+    assert torch.equal(out, reroute_loop(ids, sim, S, rho))
+
+
+@needs_triton
+@pytest.mark.parametrize("E,K,T", [(128, 8, 64), (256, 8, 3), (60, 4, 33)])
+def test_triton_real_sizes(E, K, T):
+    g = torch.Generator().manual_seed(E + T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    sim = torch.rand(E, E, generator=g)
+    for S, rho in [(1, 0.0), (2, 0.5), (K // 2, 0.3)]:
+        with ops.use_triton():
+            tri = reroute(ids, sim, S, rho)
+        assert torch.equal(tri, ops.reroute_aten(ids, sim, S, rho))
+
+
+def _ids(rows):
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("impl", ["aten", pytest.param("triton", marks=needs_triton)])
+class TestEdgeCases:
+    def call(self, impl, *args):
+        with ops.use_triton(impl == "triton"):
+            return reroute(*args)
+
+    def test_single_token(self, impl):
+        sim = torch.eye(6)
+        sim[3, 1] = 0.9
+        out = self.call(impl, _ids([[1, 3, 5]]), sim, 1, 0.5)
+        # primary = {1}; 3 -> 1 (0.9 >= 0.5); 5 best is 1 with 0.0 < 0.5: critical, kept
+        assert out.tolist() == [[1, 1, 5]]
+
+    def test_S_equal_K_is_identity(self, impl):
+        ids = _ids([[0, 1, 2], [3, 4, 5]])
+        sim = torch.rand(6, 6)
+        assert torch.equal(self.call(impl, ids, sim, 3, 0.0), ids)
+
+    def test_all_critical(self, impl):
+        ids = _ids([[0, 1, 2], [3, 4, 5]])
+        sim = torch.full((6, 6), 0.2).fill_diagonal_(1.0)
+        assert torch.equal(self.call(impl, ids, sim, 1, 0.5), ids)
+
+    def test_all_primary(self, impl):
+        # every secondary expert is some other token's primary: nothing moves
+        ids = _ids([[0, 1], [1, 0]])
+        assert torch.equal(self.call(impl, ids, torch.zeros(4, 4), 1, 0.0), ids)
+
+    def test_ties_take_lowest_index(self, impl):
+        sim = torch.zeros(8, 8)
+        sim[7, 2] = sim[7, 5] = sim[7, 4] = 0.6
+        out = self.call(impl, _ids([[5, 7], [2, 1], [4, 0]]), sim, 1, 0.5)
+        assert out[0, 1] == 2
+
+    def test_duplicates_after_rerouting(self, impl):
+        # two secondaries of one token land on the same primary expert: allowed
+        sim = torch.eye(5)
+        sim[2, 0] = sim[3, 0] = 0.8
+        out = self.call(impl, _ids([[0, 2, 3]]), sim, 1, 0.5)
+        assert out.tolist() == [[0, 0, 0]]
+
+    def test_rho_zero_reroutes_everything(self, impl):
+        sim = torch.full((6, 6), -5.0).fill_diagonal_(1.0)
+        out = self.call(impl, _ids([[0, 4], [1, 5]]), sim, 1, 0.0)
+        assert set(out.flatten().tolist()) <= {0, 1}
+
+    def test_empty_batch(self, impl):
+        ids = torch.empty(0, 4, dtype=torch.int64)
+        assert self.call(impl, ids, torch.rand(8, 8), 2, 0.5).shape == (0, 4)
+
+
+def test_rho_is_compared_in_float32():
+    # 0.3 is not representable: a float64 comparison would call 0.3f critical at rho=0.3
+    sim = torch.eye(3)
+    sim[2, 0] = 0.3
+    out = reroute(_ids([[0, 2]]), sim, 1, 0.3)
+    assert out.tolist() == [[0, 0]]
+
+
+def test_opcheck():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(64, generator=g)[:8] for _ in range(16)])
+    sim = torch.rand(64, 64, generator=g)
+    for S, rho in [(2, 0.5), (8, 0.0), (1, 0.0)]:
+        torch.library.opcheck(reroute.default, (ids, sim, S, rho))
+
+
+def test_decomposition_matches_op():
+    table = ops.decompositions()
+    assert set(table) == {reroute.default}
+    ids = _ids([[0, 3, 5], [1, 2, 4]])
+    sim = torch.rand(6, 6)
+    assert torch.equal(table[reroute.default](ids, sim, 1, 0.4), reroute(ids, sim, 1, 0.4))
+
+
+@pytest.mark.parametrize(
+    "ids,sim,S,match",
+    [
+        (torch.zeros(4, dtype=torch.int64), torch.rand(4, 4), 1, "topk_ids: expected a 2-D"),
+        (torch.zeros(2, 2, dtype=torch.int32), torch.rand(4, 4), 1, "topk_ids: expected dtype torch.int64"),
+        (torch.zeros(2, 2, dtype=torch.int64), torch.rand(4, 3), 1, "similarity: expected a square"),
+        (torch.zeros(2, 2, dtype=torch.int64), torch.ones(4, 4, dtype=torch.int64), 1, "similarity: expected a floating"),
+        (torch.zeros(2, 2, dtype=torch.int64), torch.rand(4, 4), 0, "S: expected an integer >= 1, got 0"),
+    ],
+)
+def test_bad_inputs(ids, sim, S, match):
+    with pytest.raises(RuntimeError, match=match):
+        reroute(ids, sim, S, 0.5)
+
+
+def test_reroute_topk_restores_unsorted_slot_order():
+    from reference import reroute_unsorted_loop
+
+    g = torch.Generator().manual_seed(3)
+    values = torch.rand(10, 4, generator=g)
+    ids = torch.stack([torch.randperm(12, generator=g)[:4] for _ in range(10)])
+    sim = torch.rand(12, 12, generator=g)
+    out = ops.reroute_topk(ids, values, sim, S=2, rho=0.4)
+    assert torch.equal(out, reroute_unsorted_loop(ids, values, sim, 2, 0.4))
+    # leading batch dims are flattened into tokens and restored
+    out3 = ops.reroute_topk(ids.view(2, 5, 4), values.view(2, 5, 4), sim, S=2, rho=0.4)
+    assert torch.equal(out3.view(10, 4), out)
+
+
+def test_reroute_topk_leaves_prefill_untouched():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(12, generator=g)[:4] for _ in range(10)])
+    sim = torch.zeros(12, 12)
+    assert torch.equal(ops.reroute_topk(ids, None, sim, S=1, rho=0.0, max_tokens=9), ids)
+    assert not torch.equal(ops.reroute_topk(ids, None, sim, S=1, rho=0.0, max_tokens=10), ids)
+
+
+def test_public_api_exports():
+    assert callable(sere_fx.transform) and sere_fx.DEFAULT_MAX_TOKENS == 256
