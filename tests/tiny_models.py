@@ -76,7 +76,7 @@ def _config(family: str):
         )
     if family == "gpt_oss":
         return transformers.GptOssConfig(
-            **COMMON, head_dim=8, num_local_experts=8, num_experts_per_tok=4, sliding_window=16,
+            **COMMON, head_dim=8, num_local_experts=16, num_experts_per_tok=4, sliding_window=16,
             layer_types=["sliding_attention", "full_attention"],
         )
     raise KeyError(family)
