@@ -8,7 +8,9 @@ without ``experts`` (dense MLPs) are not MoE layers and are left alone.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -112,3 +114,42 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         )
     return layers
 
+
+
+def weights_fingerprint(layers) -> str:
+    """Hash of every MoE router's weights: identifies the model a similarity was calibrated on."""
+    h = hashlib.sha256()
+    for layer in layers:
+        for name, t in sorted(layer.router.state_dict().items()):
+            if name.startswith("sere_"):
+                continue
+            h.update(name.encode())
+            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_identity(model: nn.Module, layers) -> dict:
+    config = getattr(model, "config", None)
+    return {
+        "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
+        "model_type": getattr(config, "model_type", None),
+        "num_hidden_layers": getattr(config, "num_hidden_layers", None),
+        "moe_layers": [layer.index for layer in layers],
+        "num_experts": {str(layer.index): layer.num_experts for layer in layers},
+        "weights_fingerprint": weights_fingerprint(layers),
+    }
+
+
+def check_identity(metadata: dict, model: nn.Module, layers) -> None:
+    """Warn when a similarity was calibrated on another model (same shapes, other weights)."""
+    if not metadata:
+        return
+    here = model_identity(model, layers)
+    for key in ("architecture", "weights_fingerprint"):
+        if key in metadata and metadata[key] != here[key]:
+            warnings.warn(
+                f"sim: calibrated on a model with {key} {metadata[key]!r}, this model has {here[key]!r}; "
+                "re-routing will use similarities of other weights",
+                stacklevel=3,
+            )
+            return

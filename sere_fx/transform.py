@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from sere_fx.discovery import MoELayer, find_moe_layers
+from sere_fx.discovery import MoELayer, check_identity, find_moe_layers
 from sere_fx.passes.rewrite import insert_reroute
 from sere_fx.passes.trace import graph_forward
-from sere_fx.similarity import check_finite_float, resolve
+from sere_fx.similarity import as_similarity, check_finite_float, resolve
 from sere_fx.stats import LayerStats
 
 SIM_BUFFER = "sere_similarity"
@@ -95,7 +95,9 @@ def transform(
         raise ValueError("model: already transformed by sere_fx; call sere_fx.restore(model) first")
     layers = find_moe_layers(model)
     rho = _check_settings(layers, S, rho, max_tokens)
+    sim = as_similarity(sim)
     matrices = resolve(sim, layers)
+    check_identity(sim.metadata, model, layers)
     for layer in layers:
         router = layer.router
         device = next((t.device for t in router.parameters()), layer.site.indices.meta["val"].device)

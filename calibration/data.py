@@ -1,0 +1,74 @@
+"""Calibration text: local files only, tokenised with the model's own tokenizer.
+
+- ``.txt``: the whole file is one document (``txt_docs="file"``) or each non-empty line
+  is one (``txt_docs="line"``);
+- ``.jsonl``: one JSON object per line, its ``text`` field;
+- ``.parquet``: the ``text`` column.
+
+Each document is cut into consecutive windows of ``seq_len`` tokens; a document shorter
+than ``seq_len`` gives none (so only documents with more than ``seq_len`` tokens count),
+and a partial last window is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+FORMATS = (".txt", ".jsonl", ".parquet")
+
+
+def read_documents(path: str | os.PathLike, txt_docs: str = "file") -> list[str]:
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data: no file at {path!r}")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".txt":
+        text = open(path, encoding="utf-8").read()
+        if txt_docs == "file":
+            return [text]
+        if txt_docs == "line":
+            return [line for line in text.splitlines() if line.strip()]
+        raise ValueError(f"txt_docs: expected 'file' or 'line', got {txt_docs!r}")
+    if ext == ".jsonl":
+        docs = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                    raise ValueError(f"data: {path}:{n}: expected a JSON object with a string 'text' field")
+                docs.append(row["text"])
+        return docs
+    if ext == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if "text" not in table.column_names:
+            raise ValueError(f"data: {path!r} has columns {table.column_names}; expected a 'text' column")
+        return [t for t in table.column("text").to_pylist() if isinstance(t, str)]
+    raise ValueError(f"data: expected a file ending in one of {list(FORMATS)}, got {path!r}")
+
+
+def token_windows(tokenizer, documents, seq_len: int, num_seqs: int | None = None) -> torch.Tensor:
+    """``[N, seq_len]`` int64 windows, at most ``num_seqs`` of them, in document order."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len: expected a positive int, got {seq_len}")
+    windows = []
+    for doc in documents:
+        ids = tokenizer(doc, verbose=False)["input_ids"]  # long documents are the point: no length warning
+        for start in range(0, len(ids) - seq_len + 1, seq_len):
+            windows.append(ids[start : start + seq_len])
+            if num_seqs is not None and len(windows) >= num_seqs:
+                return torch.tensor(windows, dtype=torch.int64)
+    if not windows:
+        raise ValueError(f"data: no document has {seq_len} tokens or more")
+    return torch.tensor(windows, dtype=torch.int64)
+
+
+def batched(windows: torch.Tensor, batch_size: int):
+    for start in range(0, windows.shape[0], batch_size):
+        yield windows[start : start + batch_size]

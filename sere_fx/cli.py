@@ -1,0 +1,88 @@
+"""The ``sere-fx`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _load_model(path: str, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def cmd_calibrate(args) -> int:
+    from sere_fx.calibration import batched, calibrate, read_documents, token_windows
+
+    model, tokenizer = _load_model(args.model, args.dtype)
+    windows = token_windows(tokenizer, read_documents(args.data, args.txt_docs), args.seq_len, args.num_seqs)
+    if windows.shape[0] < args.num_seqs:
+        print(f"note: {args.data} gives {windows.shape[0]} windows of {args.seq_len} tokens (asked for {args.num_seqs})",
+              file=sys.stderr)
+    total = -(-windows.shape[0] // args.batch_size)
+    sim = calibrate(
+        model,
+        batched(windows, args.batch_size),
+        args.method,
+        cka_sample=args.cka_sample,
+        total=total,
+        extra_metadata={"num_seqs": int(windows.shape[0]), "seq_len": args.seq_len, "data": str(args.data)},
+    )
+    sim.save(args.out)
+    print(f"wrote {args.out}: {len(sim)} layers, {sim.metadata['tokens']} tokens, method {args.method}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from sere_fx.calibration.inspect import format_summary, plot
+    from sere_fx.similarity import Similarity
+
+    sim = Similarity.load(args.sim)
+    print(format_summary(sim, args.rho))
+    if args.plot:
+        paths = plot(sim, args.plot)
+        print(f"plots: {len(paths)} files in {args.plot} (overview: {paths[-1]})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sere_fx.calibration.methods import DEFAULT_CKA_SAMPLE, METHODS
+
+    p = argparse.ArgumentParser(prog="sere-fx", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("calibrate", help="compute expert-similarity matrices for a model")
+    c.add_argument("--model", required=True, help="a local transformers model directory")
+    c.add_argument("--data", required=True, help="calibration text: .txt, .jsonl (text field) or .parquet (text column)")
+    c.add_argument("--txt-docs", choices=["file", "line"], default="file",
+                   help=".txt only: the whole file is one document, or each line is one (default: file)")
+    c.add_argument("--num-seqs", type=int, default=400, help="number of calibration sequences (default 400)")
+    c.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    c.add_argument("--batch-size", type=int, default=16)
+    c.add_argument("--method", choices=METHODS, default="frobenius",
+                   help="frobenius (default) and cosine stream over all tokens with O(E^2) memory; "
+                        f"cka uses a uniform sample of --cka-sample tokens per layer (default {DEFAULT_CKA_SAMPLE})")
+    c.add_argument("--cka-sample", type=int, default=DEFAULT_CKA_SAMPLE)
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--out", required=True, help="output .safetensors file")
+    c.set_defaults(func=cmd_calibrate)
+
+    i = sub.add_parser("inspect", help="summarise a similarity file; optionally plot heat maps")
+    i.add_argument("sim", help="a similarity .safetensors file")
+    i.add_argument("--rho", type=float, default=0.5, help="threshold for counting critical experts (default 0.5)")
+    i.add_argument("--plot", metavar="DIR", help="write layer_<i>.png heat maps and overview.png here")
+    i.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
