@@ -5,6 +5,8 @@
 
 from sere_fx import ops  # noqa: F401  (registers torch.ops.sere.reroute)
 from sere_fx.passes.matcher import RoutingMatchError
+from sere_fx.plan import LayerPlan, Quantile, load_plan, save_plan
+from sere_fx.policies import POLICIES, bypass
 from sere_fx.similarity import Similarity
 from sere_fx.stats import LayerStats
 from sere_fx.transform import DEFAULT_MAX_TOKENS, SereSettings, is_transformed, restore, routing_stats, transform
@@ -21,4 +23,10 @@ __all__ = [
     "LayerStats",
     "RoutingMatchError",
     "DEFAULT_MAX_TOKENS",
+    "POLICIES",
+    "bypass",
+    "Quantile",
+    "LayerPlan",
+    "load_plan",
+    "save_plan",
 ]

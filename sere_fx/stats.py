@@ -15,7 +15,7 @@ class LayerStats:
     tokens: int = 0
     distinct_before: int = 0
     distinct_after: int = 0
-    slots_rerouted: int = 0
+    slots_rerouted: int = 0  # slots whose expert changed (or were dropped, for the ``topk`` policy)
     critical_kept: int = 0
     skipped_calls: int = 0  # calls above ``max_tokens`` (left to the model's own routing)
     skipped_tokens: int = 0
@@ -28,7 +28,10 @@ class LayerStats:
             self.tokens += ranked_ids.shape[0]
             self.distinct_before += int(torch.unique(ranked_ids).numel())
             self.distinct_after += int(after.numel())
-            self.slots_rerouted += int((ranked_ids != rerouted).sum())
+            if rerouted.shape == ranked_ids.shape:
+                self.slots_rerouted += int((ranked_ids != rerouted).sum())
+            else:  # top-k reduction: the dropped slots
+                self.slots_rerouted += ranked_ids.numel() - rerouted.numel()
             self.critical_kept += int((~torch.isin(after, primary)).sum())
 
     def record_skipped(self, tokens: int) -> None:

@@ -1,8 +1,8 @@
-"""``sere_fx.transform``: rewrite every MoE router of a model to re-route with SERE, in place.
+"""``sere_fx.transform``: rewrite every MoE router of a model to route with a policy, in place.
 
 For each MoE layer the router module is traced (``torch.fx``), its routing site matched,
-the re-routing call inserted on the index path to the experts, and the rewritten graph
-installed as the router's ``forward``. The router stays the same object (so hooks such as
+the policy's call inserted (``sere_fx.passes.rewrite``), and the rewritten graph installed
+as the router's ``forward``. The router stays the same object (so hooks such as
 transformers' ``output_router_logits`` recording keep working) with its class swapped for
 a subclass; its similarity matrix becomes the buffer ``sere_similarity``, so ``.to()``,
 ``state_dict()`` and ``load_state_dict()`` carry it.
@@ -11,19 +11,22 @@ a subclass; its similarity matrix becomes the buffer ``sere_similarity``, so ``.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from sere_fx.discovery import MoELayer, check_identity, find_moe_layers
-from sere_fx.passes.rewrite import insert_reroute
+from sere_fx.discovery import check_identity, find_moe_layers
+from sere_fx.passes.rewrite import SiteAttrs, insert_policy
 from sere_fx.passes.trace import graph_forward
-from sere_fx.similarity import as_similarity, check_finite_float, resolve
+from sere_fx.plan import LayerPlan, build_plan, load_plan
+from sere_fx.policies import INDEX_POLICIES
+from sere_fx.similarity import as_similarity, resolve
 from sere_fx.stats import LayerStats
 
 SIM_BUFFER = "sere_similarity"
 STATS_ATTR = "sere_stats"
+GENERATOR_ATTR = "sere_generator"
 
 # Calls with more tokens than this are treated as prefill and keep the model's routing.
 # Decode batches in serving rarely exceed 256 sequences, and once T*S is large the union
@@ -36,15 +39,22 @@ DEFAULT_MAX_TOKENS = 256
 class SereSettings:
     """What a transformed model records about itself (exporters write it into artifacts)."""
 
-    policy: str
-    S: int
-    rho: float
+    layers: dict[int, LayerPlan]
     max_tokens: int | None
-    layers: tuple[int, ...]
-    similarity_fingerprint: str
+    similarity_fingerprint: str | None
+
+    @property
+    def policy(self) -> str:
+        policies = {lp.policy for lp in self.layers.values()}
+        return policies.pop() if len(policies) == 1 else "mixed"
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {
+            "policy": self.policy,
+            "layers": {str(i): lp.as_dict() for i, lp in sorted(self.layers.items())},
+            "max_tokens": self.max_tokens,
+            "similarity_fingerprint": self.similarity_fingerprint,
+        }
 
 
 def _fingerprint(matrices: dict[int, torch.Tensor]) -> str:
@@ -55,67 +65,87 @@ def _fingerprint(matrices: dict[int, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def _check_settings(layers: list[MoELayer], S, rho, max_tokens) -> float:
-    if isinstance(S, bool) or not isinstance(S, int):
-        raise TypeError(f"S: expected an int, got {S!r} ({type(S).__name__})")
-    for layer in layers:
-        if not 1 <= S <= layer.top_k:
-            raise ValueError(f"S: expected an integer in [1, {layer.top_k}] (top-k of {layer.name}), got {S}")
-    rho = check_finite_float("rho", rho)
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
-    return rho
-
-
 def transform(
     model: nn.Module,
-    sim,
-    S: int = 2,
-    rho: float = 0.5,
+    sim=None,
+    S=2,
+    rho=None,
     *,
+    policy="sere",
     max_tokens: int | None = DEFAULT_MAX_TOKENS,
     stats: bool = False,
+    plan=None,
 ) -> nn.Module:
-    """Make every MoE layer of ``model`` re-route with SERE; returns ``model`` (changed in place).
+    """Make every MoE layer of ``model`` route with ``policy``; returns ``model`` (changed in place).
 
     Args:
         model: a transformers MoE model (or any module whose MoE blocks have an ``experts``
             child and a router child that ends in a top-k over the experts).
         sim: a ``Similarity``, a path to a saved one, ``{decoder_layer_index: Tensor[E, E]}``
-            or a sequence of ``[E, E]`` tensors in MoE-layer order.
-        S: primary experts per token, in [1, K]; ``S = K`` leaves routing unchanged.
-        rho: critical threshold; a secondary expert whose best primary match has similarity
-            below ``rho`` is kept. ``rho <= 0`` re-routes every secondary expert.
+            or a sequence of ``[E, E]`` tensors in MoE-layer order. Needed by the index
+            policies (``sere``, ``least_similar``, ``random``); ``topk`` and ``oea`` need none.
+        S: primary experts per token (``k0`` for ``oea``), in [1, K]; ``S = K`` leaves
+            routing unchanged. One int, or ``{layer: int}``.
+        rho: critical threshold of the index policies (default 0.5): a finite float, a
+            ``sere_fx.Quantile`` (per layer, from its similarities) or ``{layer: value}``.
+            ``rho <= 0`` re-routes every secondary expert. Must be None for ``topk``/``oea``.
+        policy: ``sere`` (default), ``least_similar``, ``random``, ``topk`` or ``oea``
+            (rules in ``sere_fx.policies``); or ``{layer: policy}``.
         max_tokens: calls with more tokens than this (prefill) keep the model's own routing;
             None re-routes every call. Default ``DEFAULT_MAX_TOKENS`` (256).
         stats: record per-layer routing statistics (``sere_fx.routing_stats``); costs a
             device sync per layer call, so leave it off when timing.
+        plan: per-layer settings from ``sere_fx.tune`` (a JSON path or dict); replaces
+            ``policy``, ``S`` and ``rho``, which must then be left at their defaults.
     """
     if is_transformed(model):
         raise ValueError("model: already transformed by sere_fx; call sere_fx.restore(model) first")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
     layers = find_moe_layers(model)
-    rho = _check_settings(layers, S, rho, max_tokens)
-    sim = as_similarity(sim)
-    matrices = resolve(sim, layers)
-    check_identity(sim.metadata, model, layers)
+    if plan is not None:
+        for name, value, default in (("policy", policy, "sere"), ("S", S, 2), ("rho", rho, None)):
+            if value != default:
+                raise ValueError(f"{name}: a plan sets it per layer; got {name}={value!r} as well")
+        given = load_plan(plan)
+        policy = {i: lp.policy for i, lp in given.items()}
+        S = {i: lp.S for i, lp in given.items()}
+        rho = {i: lp.rho for i, lp in given.items()}
+    needs_sim = any(
+        (policy.get(layer.index) if isinstance(policy, dict) else policy) in INDEX_POLICIES for layer in layers
+    )
+    matrices = None
+    if sim is not None:
+        sim = as_similarity(sim)
+        matrices = resolve(sim, layers)
+        check_identity(sim.metadata, model, layers)
+    elif needs_sim:
+        raise ValueError(f"sim: policy {policy!r} needs expert-similarity matrices, got None")
+    layer_plans = build_plan(layers, policy, S, rho, matrices)
     for layer in layers:
+        lp = layer_plans[layer.index]
         router = layer.router
-        device = next((t.device for t in router.parameters()), layer.site.indices.meta["val"].device)
-        router.register_buffer(SIM_BUFFER, matrices[layer.index].to(device))
-        if stats:
-            setattr(router, STATS_ATTR, LayerStats())
-        insert_reroute(layer.graph, layer.site, SIM_BUFFER, S, rho, max_tokens, STATS_ATTR if stats else None)
+        device = next((t.device for t in router.parameters()), torch.device("cpu"))
+        attrs = SiteAttrs(
+            similarity=SIM_BUFFER if lp.policy in INDEX_POLICIES else None,
+            stats=STATS_ATTR if stats else None,
+            generator=GENERATOR_ATTR if lp.policy == "random" else None,
+        )
+        insert_policy(layer.graph, layer.site, lp.policy, lp.S, lp.rho, max_tokens, attrs, where=layer.router_name)
         layer.graph.lint()
+        if attrs.similarity:
+            router.register_buffer(SIM_BUFFER, matrices[layer.index].to(device))
+        if attrs.stats:
+            setattr(router, STATS_ATTR, LayerStats())
+        if attrs.generator:
+            setattr(router, GENERATOR_ATTR, torch.Generator().manual_seed(layer.index))
         for node in layer.graph.nodes:  # example values are not needed any more
             node.meta.pop("val", None)
         _install_forward(router, layer.graph, layer.index)
     model.sere_settings = SereSettings(
-        policy="sere",
-        S=S,
-        rho=rho,
+        layers=layer_plans,
         max_tokens=max_tokens,
-        layers=tuple(layer.index for layer in layers),
-        similarity_fingerprint=_fingerprint(matrices),
+        similarity_fingerprint=_fingerprint(matrices) if matrices else None,
     )
     return model
 
@@ -149,8 +179,9 @@ def restore(model: nn.Module) -> nn.Module:
     """Undo ``transform`` in place: original router classes, no similarity buffers."""
     for router in list(_transformed_routers(model)):
         router.__class__ = type(router)._sere_original_class
-        del router._buffers[SIM_BUFFER]
+        router._buffers.pop(SIM_BUFFER, None)
         router.__dict__.pop(STATS_ATTR, None)
+        router.__dict__.pop(GENERATOR_ATTR, None)
     model.__dict__.pop("sere_settings", None)
     return model
 

@@ -50,3 +50,43 @@ def reroute_unsorted_loop(topk_ids, topk_values, similarity, S: int, rho: float)
         for j in range(out.shape[1]):
             out[t, perm[t, j]] = rerouted[t, j]
     return out
+
+
+def least_similar_loop(topk_ids, similarity, S: int, rho: float):
+    """``least_similar``: SERE's primary and critical sets, target = least similar primary."""
+    ids = [[int(e) for e in row] for row in topk_ids.tolist()]
+    if S >= len(ids[0]):
+        return topk_ids.clone()
+    sim = similarity.to(torch.float32)
+    primary = sorted({row[s] for row in ids for s in range(S)})
+    out = []
+    for row in ids:
+        new_row = list(row)
+        for s in range(S, len(row)):
+            e = row[s]
+            if e in primary:
+                continue
+            best = max(float(sim[e, p]) for p in primary)
+            if rho > 0 and best < float(torch.tensor(rho, dtype=torch.float32)):
+                continue
+            worst = min(primary, key=lambda p: (float(sim[e, p]), p))
+            new_row[s] = worst
+        out.append(new_row)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def oea_loop(scores, k: int, k0: int):
+    """OEA selection per token (plain loops): list of expert lists, rank order, length <= k."""
+    rows = scores.tolist()
+    ranking = [sorted(range(len(r)), key=lambda e: (-r[e], e)) for r in rows]
+    loaded = {e for rank in ranking for e in rank[:k0]}
+    chosen = []
+    for rank in ranking:
+        picks = list(rank[:k0])
+        for e in rank[k0:]:
+            if len(picks) == k:
+                break
+            if e in loaded:
+                picks.append(e)
+        chosen.append(picks)
+    return chosen

@@ -7,7 +7,7 @@ from torch import nn
 
 import sere_fx
 from sere_fx.discovery import find_moe_layers
-from sere_fx.passes import RoutingMatchError, find_routing_sites, insert_reroute
+from sere_fx.passes import RoutingMatchError, SiteAttrs, find_routing_sites, insert_policy
 from sere_fx.passes.matcher import op_kind
 from tiny_models import FAMILIES, random_similarity, tiny_model
 
@@ -33,7 +33,7 @@ def test_rewrite_on_an_aten_graph_runs_the_op():
     gm = ep.module()
     (site,) = find_routing_sites(gm.graph, layer.num_experts, where="exported")
     gm.register_buffer("sim", torch.rand(layer.num_experts, layer.num_experts))
-    insert_reroute(gm.graph, site, "sim", S=1, rho=0.0, max_tokens=None)
+    insert_policy(gm.graph, site, "sere", S=1, rho=0.0, max_tokens=None, attrs=SiteAttrs(similarity="sim"))
     gm.recompile()
     logits, weights, ids = gm(x)
     ref_logits, ref_weights, ref_ids = layer.router(x)
@@ -164,4 +164,4 @@ def test_transformed_router_source_is_readable():
     layers = find_moe_layers(model)
     sere_fx.transform(model, random_similarity(layers), S=2)
     src = type(layers[0].router).forward.__sere_source__
-    assert "reroute_topk" in src and "self.sere_similarity" in src
+    assert "remap_ids" in src and "self.sere_similarity" in src

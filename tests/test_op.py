@@ -9,6 +9,7 @@ import sere_fx
 from reference import reroute_loop
 from sere_fx import ops
 from sere_fx.kernels import reroute_triton
+from sere_fx.policies import remap_ids
 
 reroute = torch.ops.sere.reroute
 
@@ -159,26 +160,26 @@ def test_bad_inputs(ids, sim, S, match):
         reroute(ids, sim, S, 0.5)
 
 
-def test_reroute_topk_restores_unsorted_slot_order():
+def test_remap_ids_restores_unsorted_slot_order():
     from reference import reroute_unsorted_loop
 
     g = torch.Generator().manual_seed(3)
     values = torch.rand(10, 4, generator=g)
     ids = torch.stack([torch.randperm(12, generator=g)[:4] for _ in range(10)])
     sim = torch.rand(12, 12, generator=g)
-    out = ops.reroute_topk(ids, values, sim, S=2, rho=0.4)
+    out = remap_ids(ids, values, sim, S=2, rho=0.4)
     assert torch.equal(out, reroute_unsorted_loop(ids, values, sim, 2, 0.4))
     # leading batch dims are flattened into tokens and restored
-    out3 = ops.reroute_topk(ids.view(2, 5, 4), values.view(2, 5, 4), sim, S=2, rho=0.4)
+    out3 = remap_ids(ids.view(2, 5, 4), values.view(2, 5, 4), sim, S=2, rho=0.4)
     assert torch.equal(out3.view(10, 4), out)
 
 
-def test_reroute_topk_leaves_prefill_untouched():
+def test_remap_ids_leaves_prefill_untouched():
     g = torch.Generator().manual_seed(5)
     ids = torch.stack([torch.randperm(12, generator=g)[:4] for _ in range(10)])
     sim = torch.zeros(12, 12)
-    assert torch.equal(ops.reroute_topk(ids, None, sim, S=1, rho=0.0, max_tokens=9), ids)
-    assert not torch.equal(ops.reroute_topk(ids, None, sim, S=1, rho=0.0, max_tokens=10), ids)
+    assert torch.equal(remap_ids(ids, None, sim, S=1, rho=0.0, max_tokens=9), ids)
+    assert not torch.equal(remap_ids(ids, None, sim, S=1, rho=0.0, max_tokens=10), ids)
 
 
 def test_public_api_exports():

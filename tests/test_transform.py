@@ -197,5 +197,7 @@ def test_settings_are_recorded():
     layers = find_moe_layers(model)
     sere_fx.transform(model, random_similarity(layers), S=2, rho=0.25, max_tokens=64)
     s = model.sere_settings
-    assert (s.policy, s.S, s.rho, s.max_tokens, s.layers) == ("sere", 2, 0.25, 64, (0, 1))
+    assert (s.policy, s.max_tokens, sorted(s.layers)) == ("sere", 64, [0, 1])
+    assert all((lp.policy, lp.S, lp.rho) == ("sere", 2, 0.25) for lp in s.layers.values())
     assert len(s.similarity_fingerprint) == 16
+    assert s.as_dict()["layers"]["1"] == {"policy": "sere", "S": 2, "rho": 0.25}

@@ -1,32 +1,59 @@
-"""Rewrite a matched routing site: re-route the indices on their way to the experts.
+"""Rewrite a matched routing site to call a routing policy (``sere_fx.policies``).
 
-Only the *dispatch* uses of the top-k indices are redirected; uses that gather routing
-weights from the scores (DeepSeek-V3) keep the router's own indices, so router weights
-are never changed, as SERE prescribes. One node is inserted per site: a call to
-``sere_fx.ops.reroute_topk`` (which calls ``torch.ops.sere.reroute``), reading the
-similarity matrix through a ``get_attr`` on the module that owns the graph.
+Index policies (``sere``, ``least_similar``, ``random``): one node is inserted after the
+top-k and only the *dispatch* uses of the indices are redirected to it; uses that gather
+routing weights from the scores (DeepSeek-V3) keep the router's own indices, so router
+weights never change. Top-k policies (``topk``, ``oea``): the top-k node itself is replaced
+by a call with the same inputs and outputs, so the model's own weight computation runs on
+the policy's selection. Per-layer data (similarity matrix, statistics, random generator)
+is read through ``get_attr`` on the module that owns the graph.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 from torch.fx import Graph, Node
 
-from sere_fx.ops import reroute_topk
-from sere_fx.passes.matcher import RoutingSite
+from sere_fx.passes.matcher import RoutingMatchError, RoutingSite, _arg
+from sere_fx.policies import INDEX_POLICIES, remap_ids, select_topk
 
 
-def insert_reroute(
-    graph: Graph,
-    site: RoutingSite,
-    similarity_attr: str,
-    S: int,
-    rho: float,
-    max_tokens: int | None,
-    stats_attr: str | None = None,
-) -> Node:
-    """Insert the re-routing call for ``site``; returns the new indices node."""
+@dataclass(frozen=True)
+class SiteAttrs:
+    """Names of the owning module's attributes the inserted code reads (None: absent)."""
+
+    similarity: str | None = None
+    stats: str | None = None
+    generator: str | None = None
+
+
+def _get_attrs(graph: Graph, after: Node, attrs: SiteAttrs) -> tuple[Node, dict]:
+    nodes = {}
+    for key in ("similarity", "stats", "generator"):
+        name = getattr(attrs, key)
+        if name is None:
+            continue
+        with graph.inserting_after(after):
+            after = nodes[key] = graph.get_attr(name)
+    return after, nodes
+
+
+def insert_policy(graph: Graph, site: RoutingSite, policy: str, S: int, rho: float | None,
+                  max_tokens: int | None, attrs: SiteAttrs, where: str = "graph") -> Node:
+    """Rewrite ``site`` in ``graph`` for ``policy``; returns the node that now feeds the experts."""
+    if policy in INDEX_POLICIES:
+        return _insert_index_policy(graph, site, policy, S, rho, max_tokens, attrs)
+    if site.weight_uses and policy == "oea":
+        raise RoutingMatchError(
+            f"{where}: policy 'oea' needs routing weights computed from the top-k values, but this router "
+            f"gathers them by index ({', '.join(u.name for u in site.weight_uses)})"
+        )
+    return _replace_topk(graph, site, policy, S, max_tokens, attrs)
+
+
+def _insert_index_policy(graph, site, policy, S, rho, max_tokens, attrs) -> Node:
     values = None
     if not site.sorted:
         # Rank order must come from the values the top-k selected on: read them.
@@ -38,21 +65,35 @@ def insert_reroute(
     anchor = site.indices
     if values is not None and _position(graph, values) > _position(graph, anchor):
         anchor = values
-    with graph.inserting_after(anchor):
-        sim = graph.get_attr(similarity_attr)
-    with graph.inserting_after(sim):
-        stats = graph.get_attr(stats_attr) if stats_attr else None
-    with graph.inserting_after(stats if stats is not None else sim):
+    last, nodes = _get_attrs(graph, anchor, attrs)
+    with graph.inserting_after(last):
         new_ids = graph.call_function(
-            reroute_topk,
-            (site.indices, values, sim),
-            {"S": S, "rho": rho, "max_tokens": max_tokens, "stats": stats},
+            remap_ids,
+            (site.indices, values, nodes["similarity"]),
+            {"policy": policy, "S": S, "rho": rho, "max_tokens": max_tokens,
+             "stats": nodes.get("stats"), "generator": nodes.get("generator")},
         )
     if "val" in site.indices.meta:
         new_ids.meta["val"] = site.indices.meta["val"]
     for user in site.dispatch_uses:
         user.replace_input_with(site.indices, new_ids)
     return new_ids
+
+
+def _replace_topk(graph, site, policy, S, max_tokens, attrs) -> Node:
+    topk = site.topk
+    # The score that makes a slot weigh nothing downstream: 0 for probabilities, -inf for logits.
+    neutral = float("-inf") if site.score_fn == "logits" else 0.0
+    last, nodes = _get_attrs(graph, topk, attrs)
+    with graph.inserting_after(last):
+        new = graph.call_function(
+            select_topk,
+            (site.scores, site.k, _arg(topk, 2, "dim", -1), _arg(topk, 3, "largest", True), _arg(topk, 4, "sorted", True)),
+            {"policy": policy, "S": S, "neutral": neutral, "max_tokens": max_tokens, "stats": nodes.get("stats")},
+        )
+    topk.replace_all_uses_with(new)
+    graph.erase_node(topk)
+    return new
 
 
 def _position(graph: Graph, node: Node) -> int:

@@ -1,0 +1,118 @@
+"""Per-layer routing settings: which policy, S and rho each MoE layer uses.
+
+``transform`` takes ``policy``, ``S`` and ``rho`` either as one value for every MoE layer or
+as ``{decoder_layer_index: value}``; ``rho`` may also be a ``Quantile``, resolved per layer
+against that layer's similarity matrix (a raw rho does not carry over between models or
+similarity methods; a quantile does). ``tune`` writes plans as JSON; ``transform(plan=...)``
+reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+
+from sere_fx.policies import INDEX_POLICIES, POLICIES
+from sere_fx.similarity import check_finite_float
+
+DEFAULT_RHO = 0.5
+
+
+@dataclass(frozen=True)
+class Quantile:
+    """``rho`` as the q-quantile of a layer's off-diagonal similarities (q in [0, 1])."""
+
+    q: float
+
+    def __post_init__(self):
+        if not (isinstance(self.q, (int, float)) and 0 <= self.q <= 1):
+            raise ValueError(f"Quantile.q: expected a number in [0, 1], got {self.q!r}")
+
+    def resolve(self, matrix: torch.Tensor) -> float:
+        e = matrix.shape[0]
+        off = matrix[~torch.eye(e, dtype=torch.bool, device=matrix.device)].double()
+        return float(torch.quantile(off, self.q)) if off.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    policy: str
+    S: int
+    rho: float | None = None  # index policies only
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _per_layer(name: str, value, layers):
+    if isinstance(value, Mapping):
+        keys = sorted(value)
+        want = [layer.index for layer in layers]
+        if keys != want:
+            raise ValueError(f"{name}: expected values for the MoE decoder layers {want}, got layers {keys}")
+        return {layer.index: value[layer.index] for layer in layers}
+    return {layer.index: value for layer in layers}
+
+
+def build_plan(layers, policy, S, rho, matrices: Mapping[int, torch.Tensor] | None) -> dict[int, LayerPlan]:
+    """Validate settings against the model's MoE layers; every error names the argument."""
+    policies = _per_layer("policy", policy, layers)
+    sizes = _per_layer("S", S, layers)
+    rhos = _per_layer("rho", rho, layers)
+    plan = {}
+    for layer in layers:
+        i = layer.index
+        p, s, r = policies[i], sizes[i], rhos[i]
+        where = f"[{i}]" if isinstance(policy, Mapping) else ""
+        if p not in POLICIES:
+            raise ValueError(f"policy{where}: expected one of {list(POLICIES)}, got {p!r}")
+        where = f"[{i}]" if isinstance(S, Mapping) else ""
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"S{where}: expected an int, got {s!r} ({type(s).__name__})")
+        if not 1 <= s <= layer.top_k:
+            raise ValueError(f"S{where}: expected an integer in [1, {layer.top_k}] (top-k of {layer.name}), got {s}")
+        where = f"[{i}]" if isinstance(rho, Mapping) else ""
+        if p in INDEX_POLICIES:
+            if r is None:
+                r = DEFAULT_RHO
+            if isinstance(r, Quantile):
+                r = r.resolve(matrices[i])
+            r = check_finite_float(f"rho{where}", r)
+        elif r is not None:
+            raise ValueError(f"rho{where}: policy {p!r} does not use rho (leave it None), got {r!r}")
+        plan[i] = LayerPlan(p, s, r)
+    return plan
+
+
+def save_plan(path: str | os.PathLike, plan: Mapping[int, LayerPlan], **extra) -> None:
+    data = {"layers": {str(i): lp.as_dict() for i, lp in sorted(plan.items())}, **extra}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+
+
+def load_plan(plan) -> dict[int, LayerPlan]:
+    """A plan from a JSON path, a dict as ``save_plan`` writes it, or ``{layer: LayerPlan}``."""
+    if isinstance(plan, (str, os.PathLike)):
+        if not os.path.isfile(plan):
+            raise FileNotFoundError(f"plan: no plan file at {os.fspath(plan)!r}")
+        with open(plan) as f:
+            plan = json.load(f)
+    if isinstance(plan, Mapping) and "layers" in plan:
+        plan = plan["layers"]
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"plan: expected a path, a dict with 'layers' or {{layer: LayerPlan}}, got {type(plan).__name__}")
+    out = {}
+    for k, v in plan.items():
+        if isinstance(v, Mapping):
+            v = LayerPlan(**v)
+        if not isinstance(v, LayerPlan):
+            raise TypeError(f"plan[{k}]: expected a LayerPlan or a dict, got {type(v).__name__}")
+        if v.rho is not None and not math.isfinite(v.rho):
+            raise ValueError(f"plan[{k}].rho: expected a finite float, got {v.rho}")
+        out[int(k)] = v
+    return out

@@ -1,0 +1,163 @@
+"""Routing policies: what a rewritten routing site calls. Each policy's rule lives here, once.
+
+Index policies re-route the top-k *indices* and never touch routing weights:
+
+- ``sere``: ``torch.ops.sere.reroute`` (see ``sere_fx.ops``): a secondary expert goes to its
+  most similar primary expert unless that similarity is below ``rho`` (critical: kept).
+- ``least_similar`` / ``random`` (ablations): the same primary set and the same critical
+  experts as ``sere`` (decided by the best match), but a re-routed slot goes to the least
+  similar primary expert / a uniformly random primary expert.
+
+Top-k policies replace the router's top-k itself and need the full score vector:
+
+- ``topk`` (direct top-K reduction): each token keeps only its top-S experts; the model's own
+  weight computation then runs over those S (re-normalising where the model does).
+- ``oea`` (Opportunistic Expert Activation): each token keeps its top-S (``k0``); the batch's
+  loaded set L is the union of those; each token then walks down its own ranking and adds
+  experts in L until it has K or runs out. Unfilled slots get the token's first expert with
+  a *neutral* score (0 for probabilities, -inf for logits), so the model's own weight
+  computation gives them weight 0 and no new expert is loaded.
+
+Every policy leaves calls with more than ``max_tokens`` tokens, and every call inside
+``with sere_fx.bypass():``, exactly as the model would have routed them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INDEX_POLICIES = ("sere", "least_similar", "random")  # need a similarity matrix; take rho
+TOPK_POLICIES = ("topk", "oea")
+POLICIES = INDEX_POLICIES + TOPK_POLICIES
+
+_BYPASS = False
+
+
+class bypass:
+    """Context manager: every transformed router routes like the original model inside it."""
+
+    def __enter__(self):
+        global _BYPASS
+        self._prev, _BYPASS = _BYPASS, True
+        return self
+
+    def __exit__(self, *exc):
+        global _BYPASS
+        _BYPASS = self._prev
+
+
+def _leave_alone(tokens: int, max_tokens: int | None, stats) -> bool:
+    if _BYPASS:
+        return True
+    if max_tokens is not None and tokens > max_tokens:
+        if stats is not None:
+            stats.record_skipped(tokens)
+        return True
+    return False
+
+
+def ablation_reroute(ranked: torch.Tensor, similarity: torch.Tensor, S: int, rho: float, target: str,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """``least_similar`` / ``random`` re-routing of rank-ordered ids ``[T, K]`` (see module doc)."""
+    if S >= ranked.shape[1] or ranked.shape[0] == 0:
+        return ranked.clone()
+    sim = similarity.to(torch.float32)
+    e = sim.shape[0]
+    primary = torch.zeros(e, dtype=torch.bool, device=ranked.device).index_fill(0, ranked[:, :S].reshape(-1), True)
+    best_sim = sim.masked_fill(~primary, float("-inf")).max(dim=1).values
+    if target == "least_similar":
+        choice = sim.masked_fill(~primary, float("inf")).argmin(dim=1)
+    elif target == "random":
+        noise = torch.rand(e, e, generator=generator).to(sim.device)
+        choice = noise.masked_fill(~primary, -1.0).argmax(dim=1)
+    else:
+        raise ValueError(f"target: expected 'least_similar' or 'random', got {target!r}")
+    keep = primary
+    if rho > 0:
+        keep = keep | (best_sim < torch.tensor(rho, dtype=torch.float32, device=sim.device))
+    table = torch.where(keep, torch.arange(e, device=sim.device), choice)
+    return table[ranked]
+
+
+def remap_ids(
+    topk_ids: torch.Tensor,
+    topk_values: torch.Tensor | None,
+    similarity: torch.Tensor,
+    *,
+    policy: str = "sere",
+    S: int,
+    rho: float,
+    max_tokens: int | None = None,
+    stats=None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """An index policy at a routing site.
+
+    ``topk_ids`` may have leading batch dims (``[..., K]``: flattened into tokens).
+    ``topk_values`` is given when the site's top-k is unsorted: slots are put in rank order
+    (by these values, descending, stable) for the policy and put back afterwards, so each
+    slot keeps its own routing weight. ``stats``: a ``LayerStats`` or None (no cost).
+    """
+    k = topk_ids.shape[-1]
+    ids = topk_ids.reshape(-1, k)
+    if _leave_alone(ids.shape[0], max_tokens, stats):
+        return topk_ids
+    ids = ids.to(torch.int64)
+    if topk_values is None:
+        ranked = ids
+    else:
+        order = topk_values.reshape(-1, k).argsort(dim=-1, descending=True, stable=True)
+        ranked = ids.gather(1, order)
+    if policy == "sere":
+        out = torch.ops.sere.reroute(ranked, similarity, S, rho)
+    else:
+        out = ablation_reroute(ranked, similarity, S, rho, policy, generator)
+    if stats is not None:
+        stats.record(ranked, out, S)
+    if topk_values is not None:
+        out = torch.empty_like(out).scatter(1, order, out)
+    return out.to(topk_ids.dtype).reshape(topk_ids.shape)
+
+
+def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float):
+    """OEA on flat scores ``[T, E]``: returns (values, ids), each ``[T, k]``, rank-ordered."""
+    own = torch.topk(scores, k, dim=-1).indices
+    loaded = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+    loaded = loaded.index_fill(0, own[:, :k0].reshape(-1), True)
+    masked = scores.masked_fill(~loaded, neutral)
+    values, ids = torch.topk(masked, k, dim=-1)
+    filled = loaded[ids]
+    ids = torch.where(filled, ids, ids[:, :1])
+    values = values.masked_fill(~filled, neutral)
+    return values, ids, own
+
+
+def select_topk(
+    scores: torch.Tensor,
+    k: int,
+    dim: int = -1,
+    largest: bool = True,
+    sorted: bool = True,
+    *,
+    policy: str,
+    S: int,
+    neutral: float,
+    max_tokens: int | None = None,
+    stats=None,
+):
+    """A top-k policy in place of the site's ``torch.topk(scores, k, dim, largest, sorted)``."""
+    e = scores.shape[-1]
+    flat = scores.reshape(-1, e)
+    if _leave_alone(flat.shape[0], max_tokens, stats):
+        return torch.topk(scores, k, dim=dim, largest=largest, sorted=sorted)
+    if policy == "topk":
+        values, ids = torch.topk(flat, S, dim=-1)
+        before = torch.topk(flat, k, dim=-1).indices if stats is not None else None
+    elif policy == "oea":
+        values, ids, before = oea_select(flat, k, S, neutral)
+    else:
+        raise ValueError(f"policy: expected one of {list(TOPK_POLICIES)}, got {policy!r}")
+    if stats is not None:
+        stats.record(before, ids, S)
+    shape = scores.shape[:-1] + (ids.shape[-1],)
+    return torch.return_types.topk((values.reshape(shape), ids.reshape(shape)))

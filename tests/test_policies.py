@@ -1,0 +1,203 @@
+"""Every routing policy against an independent reference, through the same pass."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sere_fx
+from reference import least_similar_loop, oea_loop, reroute_loop
+from router_reference import _selection_scores
+from sere_fx.discovery import find_moe_layers
+from sere_fx.policies import ablation_reroute
+from tiny_models import random_similarity, tiny_model
+
+
+def _ids(model, batch=6, length=1, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_least_similar_matches_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    e, k, t = 12, 4, 5
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    sim = torch.round(torch.rand(e, e, generator=g) * 6) / 6
+    for S, rho in [(1, 0.0), (2, 0.5)]:
+        assert torch.equal(ablation_reroute(ids, sim, S, rho, "least_similar"), least_similar_loop(ids, sim, S, rho))
+
+
+def test_random_keeps_sere_sets_and_varies_target():
+    g = torch.Generator().manual_seed(0)
+    e, k, t = 32, 6, 8
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    sim = torch.rand(e, e, generator=g)
+    gen = torch.Generator().manual_seed(1)
+    sere = reroute_loop(ids, sim, 2, 0.5)
+    primary = set(ids[:, :2].flatten().tolist())
+    targets = set()
+    for _ in range(10):
+        out = ablation_reroute(ids, sim, 2, 0.5, "random", gen)
+        moved = sere != ids  # exactly the slots SERE moves are moved (to a primary, never to themselves)
+        assert torch.equal(out != ids, moved)
+        assert set(out[moved].tolist()) <= primary
+        targets |= set(out[moved].tolist())
+    assert len(targets) > 2
+    a = ablation_reroute(ids, sim, 2, 0.5, "random", torch.Generator().manual_seed(5))
+    b = ablation_reroute(ids, sim, 2, 0.5, "random", torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "gpt_oss"])
+def test_topk_policy_equals_a_model_with_smaller_top_k(family):
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    S = 1
+    reference = copy.deepcopy(model)
+    for layer in layers:
+        reference.get_submodule(layer.router_name).top_k = S
+    ids = _ids(model)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = sere_fx.transform(model, None, S=S, policy="topk", max_tokens=None)(ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _oea_weights(family, router, x, chosen, k):
+    """The family's own weight formula over each token's OEA set (independent re-implementation)."""
+    x = x.reshape(-1, router.weight.shape[1])
+    logits = F.linear(x.float(), router.weight.float(), getattr(router, "bias", None))
+    weights = torch.zeros(x.shape[0], k)
+    ids = torch.zeros(x.shape[0], k, dtype=torch.int64)
+    for t, picks in enumerate(chosen):
+        picks_t = torch.tensor(picks)
+        if family == "gpt_oss":
+            w = torch.softmax(logits[t, picks_t], dim=0)
+        else:
+            p = torch.softmax(logits[t], dim=0)[picks_t]
+            if family in ("qwen3_moe", "mixtral"):
+                w = p / p.sum()
+            elif family == "deepseek_v2":
+                w = p * router.routed_scaling_factor
+            else:
+                w = p
+        weights[t, : len(picks)] = w
+        ids[t, : len(picks)] = picks_t
+        ids[t, len(picks):] = picks[0]
+    return weights, ids
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize("k0", [1, 2])
+def test_oea_matches_loop_reference(family, k0):
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    k = layers[0].top_k
+    if k0 >= k:
+        pytest.skip("k0 >= K is the identity")
+    reference = copy.deepcopy(model)
+    unfilled = []
+    for layer in layers:
+        router = reference.get_submodule(layer.router_name)
+
+        def hook(module, args, output):
+            logits = output[0]
+            scores = _selection_scores(module, args[0])
+            chosen = oea_loop(scores, k, k0)
+            unfilled.append(sum(k - len(c) for c in chosen))
+            weights, ids = _oea_weights(family, module, args[0], chosen, k)
+            return logits, weights.to(output[1].dtype), ids
+
+        router.register_forward_hook(hook)
+    ids = _ids(model, batch=7)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = sere_fx.transform(model, None, S=k0, policy="oea", max_tokens=None, stats=True)(ids).logits
+        original = sere_fx.restore(copy.deepcopy(model))(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, original)
+    stats = sere_fx.routing_stats(model)
+    assert all(s.critical_kept == 0 for s in stats.values())  # OEA never loads beyond L
+
+
+def test_oea_refuses_routers_that_gather_weights_by_index():
+    model = tiny_model("deepseek_v3")
+    with pytest.raises(sere_fx.RoutingMatchError, match=r"model.layers.1.mlp.gate: policy 'oea' needs routing weights"):
+        sere_fx.transform(model, None, S=2, policy="oea")
+
+
+@pytest.mark.parametrize("policy", ["sere", "least_similar", "random", "topk", "oea"])
+def test_bypass_and_prefill_routing_are_the_models_own(policy):
+    model = tiny_model("qwen3_moe")
+    layers = find_moe_layers(model)
+    ids = _ids(model, batch=3, length=4)
+    with torch.no_grad():
+        original = model(ids).logits
+        sim = random_similarity(layers) if policy in sere_fx.policies.INDEX_POLICIES else None
+        sere_fx.transform(model, sim, S=1, policy=policy, max_tokens=None)
+        changed = model(ids).logits
+        with sere_fx.bypass():
+            bypassed = model(ids).logits
+        sere_fx.restore(model)
+        sere_fx.transform(model, sim, S=1, policy=policy, max_tokens=11)  # 12 tokens: prefill
+        prefill = model(ids).logits
+    assert not torch.equal(changed, original)
+    assert torch.equal(bypassed, original) and torch.equal(prefill, original)
+
+
+def test_per_layer_settings_and_plans(tmp_path):
+    model = tiny_model("qwen3_moe")
+    layers = find_moe_layers(model)
+    sim = random_similarity(layers, seed=2)
+    ids = _ids(model, batch=5)
+    with torch.no_grad():
+        sere_fx.transform(model, sim, policy={0: "sere", 1: "oea"}, S={0: 1, 1: 2},
+                          rho={0: sere_fx.Quantile(0.25), 1: None}, max_tokens=None)
+        mixed = model(ids).logits
+        settings = model.sere_settings
+        assert settings.policy == "mixed"
+        q = float(torch.quantile(sim[0][~torch.eye(16, dtype=torch.bool)].double(), 0.25))
+        assert settings.layers[0] == sere_fx.LayerPlan("sere", 1, q)
+        assert settings.layers[1] == sere_fx.LayerPlan("oea", 2, None)
+        sere_fx.save_plan(tmp_path / "plan.json", settings.layers, note="test")
+        sere_fx.restore(model)
+        sere_fx.transform(model, sim, plan=tmp_path / "plan.json", max_tokens=None)
+        assert torch.equal(model(ids).logits, mixed)
+        sere_fx.restore(model)
+        # the same, by hand: layer 0 SERE, layer 1 OEA
+        sere_fx.transform(model, sim, policy={0: "sere", 1: "oea"}, S={0: 1, 1: 2}, rho={0: q, 1: None},
+                          max_tokens=None)
+        assert torch.equal(model(ids).logits, mixed)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,message",
+    [
+        (dict(policy="fast"), ValueError, r"policy: expected one of \['sere', 'least_similar', 'random', 'topk', 'oea'\], got 'fast'"),
+        (dict(policy={0: "sere", 1: "nope"}), ValueError, r"policy\[1\]: expected one of"),
+        (dict(policy="oea", rho=0.5), ValueError, r"rho: policy 'oea' does not use rho \(leave it None\), got 0.5"),
+        (dict(S={0: 1}), ValueError, r"S: expected values for the MoE decoder layers \[0, 1\], got layers \[0\]"),
+        (dict(S={0: 1, 1: 9}), ValueError, r"S\[1\]: expected an integer in \[1, 4\]"),
+        (dict(rho={0: 0.5, 1: float("nan")}), ValueError, r"rho\[1\]: expected a finite float, got nan"),
+        (dict(plan={"layers": {}}, S=3), ValueError, r"S: a plan sets it per layer; got S=3 as well"),
+        (dict(plan="/nonexistent.json"), FileNotFoundError, r"plan: no plan file at '/nonexistent.json'"),
+    ],
+)
+def test_bad_policy_settings(kwargs, exc, message):
+    model = tiny_model("qwen3_moe")
+    sim = random_similarity(find_moe_layers(model))
+    with pytest.raises(exc, match=message):
+        sere_fx.transform(model, sim, **kwargs)
+    assert not sere_fx.is_transformed(model)
+
+
+def test_index_policy_without_similarity():
+    with pytest.raises(ValueError, match=r"sim: policy 'sere' needs expert-similarity matrices, got None"):
+        sere_fx.transform(tiny_model("olmoe"), None)
+
+
+def test_quantile_validation():
+    with pytest.raises(ValueError, match=r"Quantile.q: expected a number in \[0, 1\], got 1.5"):
+        sere_fx.Quantile(1.5)
