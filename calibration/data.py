@@ -53,22 +53,49 @@ def read_documents(path: str | os.PathLike, txt_docs: str = "file") -> list[str]
     raise ValueError(f"data: expected a file ending in one of {list(FORMATS)}, got {path!r}")
 
 
-def token_windows(tokenizer, documents, seq_len: int, num_seqs: int | None = None) -> torch.Tensor:
-    """``[N, seq_len]`` int64 windows, at most ``num_seqs`` of them, in document order."""
+def token_windows(
+    tokenizer, documents, seq_len: int, num_seqs: int | None = None, token_range: tuple[int, int | None] = (0, None)
+) -> torch.Tensor:
+    """``[N, seq_len]`` int64 windows, at most ``num_seqs`` of them, in document order.
+
+    ``token_range = (start, end)`` keeps only windows lying inside that span of the token
+    stream (all documents' tokens, in order): a way to cut one text into disjoint parts,
+    e.g. calibration/tuning text and evaluation text.
+    """
     if seq_len < 1:
         raise ValueError(f"seq_len: expected a positive int, got {seq_len}")
+    first, last = token_range
     windows = []
+    base = 0
     for doc in documents:
         ids = tokenizer(doc, verbose=False)["input_ids"]  # long documents are the point: no length warning
         for start in range(0, len(ids) - seq_len + 1, seq_len):
+            if base + start < first or (last is not None and base + start + seq_len > last):
+                continue
             windows.append(ids[start : start + seq_len])
             if num_seqs is not None and len(windows) >= num_seqs:
                 return torch.tensor(windows, dtype=torch.int64)
+        base += len(ids)
     if not windows:
-        raise ValueError(f"data: no document has {seq_len} tokens or more")
+        raise ValueError(f"data: no document has {seq_len} tokens or more (in token range {first}:{last})")
     return torch.tensor(windows, dtype=torch.int64)
 
 
 def batched(windows: torch.Tensor, batch_size: int):
     for start in range(0, windows.shape[0], batch_size):
         yield windows[start : start + batch_size]
+
+
+def parse_token_range(text: str) -> tuple[int, int | None]:
+    """``"A:B"``, ``"A:"`` or ``":B"`` -> ``(A, B)``; for command lines."""
+    head, sep, tail = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        first = int(head) if head else 0
+        last = int(tail) if tail else None
+    except ValueError:
+        raise ValueError(f"token range: expected 'START:END' (either may be empty), got {text!r}") from None
+    if first < 0 or (last is not None and last <= first):
+        raise ValueError(f"token range: expected 0 <= START < END, got {text!r}")
+    return first, last

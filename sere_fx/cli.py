@@ -16,10 +16,10 @@ def _load_model(path: str, dtype: str = "float32"):
 
 
 def cmd_calibrate(args) -> int:
-    from sere_fx.calibration import batched, calibrate, read_documents, token_windows
+    from sere_fx.calibration import batched, calibrate
 
     model, tokenizer = _load_model(args.model, args.dtype)
-    windows = token_windows(tokenizer, read_documents(args.data, args.txt_docs), args.seq_len, args.num_seqs)
+    windows = _windows(args, tokenizer, args.seq_len)
     if windows.shape[0] < args.num_seqs:
         print(f"note: {args.data} gives {windows.shape[0]} windows of {args.seq_len} tokens (asked for {args.num_seqs})",
               file=sys.stderr)
@@ -49,6 +49,37 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _windows(args, tokenizer, seq_len: int):
+    from sere_fx.calibration.data import parse_token_range, read_documents, token_windows
+
+    return token_windows(tokenizer, read_documents(args.data, args.txt_docs), seq_len, args.num_seqs,
+                         token_range=parse_token_range(args.token_range))
+
+
+def cmd_eval(args) -> int:
+    from sere_fx.evaluate import DEFAULT_POLICIES, evaluate
+
+    args.policies = args.policies or list(DEFAULT_POLICIES)
+
+    model, tokenizer = _load_model(args.model, args.dtype)
+    windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
+    report = evaluate(model, windows, args.policies, args.sim, batch_size=args.batch_size, prefill=args.prefill,
+                      max_tokens=args.max_tokens)
+    print(report.table())
+    paths = report.save(args.out_dir)
+    print(f"wrote {paths['json']} and {paths['png']}")
+    return 0
+
+
+def _data_args(p, num_seqs: int) -> None:
+    p.add_argument("--data", required=True, help="text: .txt, .jsonl (text field) or .parquet (text column)")
+    p.add_argument("--txt-docs", choices=["file", "line"], default="file",
+                   help=".txt only: the whole file is one document, or each line is one (default: file)")
+    p.add_argument("--num-seqs", type=int, default=num_seqs, help=f"number of sequences (default {num_seqs})")
+    p.add_argument("--token-range", default="0:", metavar="START:END",
+                   help="use only windows inside this span of the text's token stream (default: all)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from sere_fx.calibration.methods import DEFAULT_CKA_SAMPLE, METHODS
 
@@ -57,10 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="compute expert-similarity matrices for a model")
     c.add_argument("--model", required=True, help="a local transformers model directory")
-    c.add_argument("--data", required=True, help="calibration text: .txt, .jsonl (text field) or .parquet (text column)")
-    c.add_argument("--txt-docs", choices=["file", "line"], default="file",
-                   help=".txt only: the whole file is one document, or each line is one (default: file)")
-    c.add_argument("--num-seqs", type=int, default=400, help="number of calibration sequences (default 400)")
+    _data_args(c, 400)
     c.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     c.add_argument("--batch-size", type=int, default=16)
     c.add_argument("--method", choices=METHODS, default="frobenius",
@@ -70,6 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     c.add_argument("--out", required=True, help="output .safetensors file")
     c.set_defaults(func=cmd_calibrate)
+
+    e = sub.add_parser("eval", help="batched-decode quality and distinct experts of routing policies")
+    e.add_argument("--model", required=True, help="a local transformers model directory")
+    e.add_argument("--sim", help="similarity file (needed by sere, least_similar, random)")
+    _data_args(e, 128)
+    e.add_argument("--batch-size", type=int, default=32, help="sequences decoded in lockstep (default 32)")
+    e.add_argument("--prefill", type=int, default=4, help="tokens prefilled with the model's own routing (default 4)")
+    e.add_argument("--steps", type=int, default=96, help="scored decode steps per sequence (default 96)")
+    e.add_argument("--policies", nargs="+", default=None, metavar="SPEC",
+                   help="baseline, sere:S=2,rho=0.5, sere:S=2,rho=q0.3, topk:S=2, oea:S=2, random:S=2,rho=0, "
+                        "least_similar:S=2,rho=0, plan:PATH (default: the standard comparison set)")
+    e.add_argument("--max-tokens", type=int, default=None,
+                   help="passed to transform (default None: every decode step is re-routed)")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--out-dir", default="sere-eval", help="where eval.json and pareto.png go (default sere-eval/)")
+    e.set_defaults(func=cmd_eval)
 
     i = sub.add_parser("inspect", help="summarise a similarity file; optionally plot heat maps")
     i.add_argument("sim", help="a similarity .safetensors file")

@@ -93,27 +93,43 @@ def _router_of(block_name: str, block: nn.Module, experts: nn.Module, num_expert
     return found[0]
 
 
-def find_moe_layers(model: nn.Module) -> list[MoELayer]:
-    """Every MoE layer of ``model`` in module order, each with its router's routing site."""
-    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
-    layers = []
+@dataclass
+class MoEBlock:
+    index: int  # decoder-layer index (from the module path), or MoE order if the path has none
+    name: str  # qualified name of the MoE block
+    block: nn.Module
+    experts: nn.Module
+    num_experts: int
+
+
+def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
+    """Every module with an ``experts`` child, in module order (no tracing: cheap, and works on
+    transformed models too)."""
+    blocks = []
     for name, block in model.named_modules():
         experts = getattr(block, "experts", None)
         if not isinstance(experts, nn.Module) or experts not in block.children():
             continue
-        num_experts = expert_count(experts, f"{name}.experts")
-        if not isinstance(hidden_size, int):
-            raise RoutingMatchError(f"model ({type(model).__name__}): needs config.hidden_size to trace its routers")
-        router_name, router, graph, site = _router_of(name, block, experts, num_experts, hidden_size)
         match = _LAYER_INDEX.search(name)
-        index = int(match.group(1)) if match else len(layers)
-        layers.append(MoELayer(index, name, experts, num_experts, router_name, router, graph, site))
-    if not layers:
+        index = int(match.group(1)) if match else len(blocks)
+        blocks.append(MoEBlock(index, name, block, experts, expert_count(experts, f"{name}.experts")))
+    if not blocks:
         raise RoutingMatchError(
             f"model ({type(model).__name__}): no MoE layer found (no module has an 'experts' child)"
         )
-    return layers
+    return blocks
 
+
+def find_moe_layers(model: nn.Module) -> list[MoELayer]:
+    """Every MoE layer of ``model`` in module order, each with its router's routing site."""
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+    layers = []
+    for b in find_moe_blocks(model):
+        if not isinstance(hidden_size, int):
+            raise RoutingMatchError(f"model ({type(model).__name__}): needs config.hidden_size to trace its routers")
+        router_name, router, graph, site = _router_of(b.name, b.block, b.experts, b.num_experts, hidden_size)
+        layers.append(MoELayer(b.index, b.name, b.experts, b.num_experts, router_name, router, graph, site))
+    return layers
 
 
 def weights_fingerprint(layers) -> str:

@@ -1,0 +1,289 @@
+"""Batched-decode evaluation: how much quality a routing policy keeps, and how many experts it reads.
+
+Teacher-forced *batched decode*: B sequences advance in lockstep with a KV cache, one token
+per step, so at every step each MoE layer sees exactly the B tokens of a real decode batch.
+A few tokens are prefilled first with the model's own routing (``sere_fx.bypass``). Each
+decode step's prediction of the next token is scored: top-1 accuracy and negative
+log-likelihood. Distinct experts are counted from what the experts modules actually
+receive, per layer per decode step, whatever the policy.
+
+Confidence intervals come from a paired bootstrap over sequences: every policy is scored on
+the same sequences, and each resample draws the same sequences for the policy and the
+baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from sere_fx.discovery import find_moe_blocks
+from sere_fx.plan import Quantile
+from sere_fx.policies import POLICIES, bypass
+from sere_fx.transform import restore, transform
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A labelled set of ``transform`` arguments; ``kwargs=None`` is the untransformed baseline."""
+
+    label: str
+    kwargs: dict | None
+
+    def needs_sim(self) -> bool:
+        if self.kwargs is None:
+            return False
+        return "plan" in self.kwargs or self.kwargs.get("policy", "sere") in ("sere", "least_similar", "random")
+
+
+def parse_policy(text: str) -> PolicySpec:
+    """``baseline``, ``sere:S=2,rho=0.5``, ``sere:S=2,rho=q0.3`` (quantile), ``topk:S=2``,
+    ``oea:S=2``, ``random:S=2,rho=0``, ``least_similar:S=2,rho=0``, ``plan:PATH``."""
+    text = text.strip()
+    if text == "baseline":
+        return PolicySpec("baseline", None)
+    name, _, rest = text.partition(":")
+    if name == "plan":
+        if not rest:
+            raise ValueError(f"policy: expected 'plan:PATH', got {text!r}")
+        return PolicySpec(f"plan:{os.path.basename(rest)}", {"plan": rest})
+    if name not in POLICIES:
+        raise ValueError(f"policy: expected 'baseline', 'plan:PATH' or one of {list(POLICIES)}, got {name!r} in {text!r}")
+    kwargs: dict = {"policy": name}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in ("S", "rho"):
+            raise ValueError(f"policy: expected settings S=<int>, rho=<float> or rho=q<quantile>, got {item!r} in {text!r}")
+        if key == "S":
+            kwargs["S"] = int(value)
+        elif value.startswith("q"):
+            kwargs["rho"] = Quantile(float(value[1:]))
+        else:
+            kwargs["rho"] = float(value)
+    return PolicySpec(text, kwargs)
+
+
+DEFAULT_POLICIES = (
+    "baseline",
+    "sere:S=2,rho=0.5",
+    "sere:S=2,rho=0",
+    "topk:S=2",
+    "random:S=2,rho=0",
+    "least_similar:S=2,rho=0",
+    "oea:S=2",
+)
+
+
+@dataclass
+class DecodeScores:
+    """Per-sequence sums from one pass over the data."""
+
+    correct: np.ndarray  # [N] correct top-1 predictions per sequence
+    nll: np.ndarray  # [N] summed negative log-likelihood per sequence
+    tokens: np.ndarray  # [N] scored tokens per sequence
+    distinct: dict[int, float]  # mean distinct experts per decode step, per MoE layer
+
+    @property
+    def accuracy(self) -> float:
+        return float(self.correct.sum() / self.tokens.sum())
+
+    @property
+    def mean_nll(self) -> float:
+        return float(self.nll.sum() / self.tokens.sum())
+
+    @property
+    def mean_distinct(self) -> float:
+        return float(np.mean(list(self.distinct.values())))
+
+
+def _expert_ids(args) -> torch.Tensor:
+    for a in args[1:]:
+        if isinstance(a, torch.Tensor) and not a.dtype.is_floating_point:
+            return a
+    raise RuntimeError("evaluate: an experts module was called without integer expert indices")
+
+
+def _cache_argument(model: nn.Module) -> str:
+    # transformers renamed ``past_key_values`` to ``cache`` (5.2x); accept both generations.
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+@torch.no_grad()
+def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 32, prefill: int = 4,
+                  progress: bool = True, desc: str = "decode") -> DecodeScores:
+    """Teacher-forced batched decode over ``windows [N, L]``; scores the L - prefill - 1 decode steps."""
+    n, length = windows.shape
+    if not 1 <= prefill < length - 1:
+        raise ValueError(f"prefill: expected an int in [1, {length - 2}] for windows of {length} tokens, got {prefill}")
+    layers = find_moe_blocks(model)
+    counts = {layer.index: [0, 0] for layer in layers}  # distinct-expert sum, decode calls
+    state = {"decoding": False}
+
+    def make_hook(index):
+        def hook(module, args):
+            if state["decoding"]:
+                counts[index][0] += int(torch.unique(_expert_ids(args)).numel())
+                counts[index][1] += 1
+        return hook
+
+    handles = [layer.experts.register_forward_pre_hook(make_hook(layer.index)) for layer in layers]
+    device = next(model.parameters()).device
+    cache_arg = _cache_argument(model)
+    correct = np.zeros(n, dtype=np.int64)
+    nll = np.zeros(n, dtype=np.float64)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=math.ceil(n / batch_size) * (length - prefill - 1), desc=desc, unit="step", leave=False)
+    try:
+        for start in range(0, n, batch_size):
+            batch = windows[start : start + batch_size].to(device)
+            state["decoding"] = False
+            with bypass():
+                out = model(input_ids=batch[:, :prefill], use_cache=True)
+            state["decoding"] = True
+            for t in range(prefill, length - 1):
+                out = model(input_ids=batch[:, t : t + 1], use_cache=True, **{cache_arg: _cache_of(out)})
+                logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+                target = batch[:, t + 1]
+                nll[start : start + batch.shape[0]] -= logp.gather(1, target[:, None]).squeeze(1).double().cpu().numpy()
+                correct[start : start + batch.shape[0]] += (logp.argmax(-1) == target).cpu().numpy()
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        for h in handles:
+            h.remove()
+        if bar is not None:
+            bar.close()
+    tokens = np.full(n, length - prefill - 1, dtype=np.int64)
+    distinct = {i: s / max(c, 1) for i, (s, c) in counts.items()}
+    return DecodeScores(correct, nll, tokens, distinct)
+
+
+def paired_bootstrap(base: DecodeScores, other: DecodeScores, resamples: int = 2000, seed: int = 0) -> dict:
+    """95% intervals of retention (accuracy ratio) and NLL difference, resampling sequences."""
+    rng = np.random.default_rng(seed)
+    n = base.correct.shape[0]
+    idx = rng.integers(0, n, size=(resamples, n))
+    tok = base.tokens[idx].sum(1)
+    retention = other.correct[idx].sum(1) / np.maximum(base.correct[idx].sum(1), 1)
+    dnll = (other.nll[idx].sum(1) - base.nll[idx].sum(1)) / tok
+    return {
+        "retention_ci": [float(np.percentile(retention, 2.5)), float(np.percentile(retention, 97.5))],
+        "dnll_ci": [float(np.percentile(dnll, 2.5)), float(np.percentile(dnll, 97.5))],
+    }
+
+
+@dataclass
+class PolicyResult:
+    label: str
+    accuracy: float
+    nll: float
+    perplexity: float
+    distinct: float
+    distinct_per_layer: dict
+    retention: float
+    retention_ci: list
+    dnll: float
+    dnll_ci: list
+    settings: dict | None = None
+
+
+@dataclass
+class EvalReport:
+    results: list[PolicyResult]
+    config: dict = field(default_factory=dict)
+
+    def table(self) -> str:
+        base = self.results[0]
+        lines = [
+            f"{'policy':<28} {'acc':>6} {'retention [95% CI]':>24} {'NLL':>7} {'dNLL [95% CI]':>26} "
+            f"{'experts/layer':>14} {'vs base':>8}"
+        ]
+        for r in self.results:
+            lines.append(
+                f"{r.label:<28} {r.accuracy:>6.4f} {r.retention:>7.4f} [{r.retention_ci[0]:.4f}, {r.retention_ci[1]:.4f}]"
+                f" {r.nll:>7.4f} {r.dnll:>+8.4f} [{r.dnll_ci[0]:+.4f}, {r.dnll_ci[1]:+.4f}]"
+                f" {r.distinct:>14.1f} {100 * (r.distinct / base.distinct - 1):>+7.1f}%"
+            )
+        return "\n".join(lines)
+
+    def save(self, out_dir: str | os.PathLike) -> dict[str, str]:
+        os.makedirs(out_dir, exist_ok=True)
+        paths = {"json": os.path.join(out_dir, "eval.json"), "png": os.path.join(out_dir, "pareto.png")}
+        with open(paths["json"], "w") as f:
+            json.dump({"config": self.config, "results": [asdict(r) for r in self.results]}, f, indent=1)
+        pareto_plot(self, paths["png"])
+        return paths
+
+
+def pareto_plot(report: EvalReport, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for r in report.results:
+        lo, hi = r.retention_ci
+        ax.errorbar(r.distinct, r.retention, yerr=[[r.retention - lo], [hi - r.retention]], fmt="o", capsize=3)
+        ax.annotate(r.label, (r.distinct, r.retention), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("distinct experts per layer per decode step (lower = faster)")
+    ax.set_ylabel("accuracy retention vs baseline")
+    cfg = report.config
+    ax.set_title(f"batched decode, batch {cfg.get('batch_size')}, {cfg.get('scored_tokens')} scored tokens")
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, batch_size: int = 32, prefill: int = 4,
+             max_tokens: int | None = None, progress: bool = True, baseline: DecodeScores | None = None) -> EvalReport:
+    """Score ``policies`` (``PolicySpec`` or strings for ``parse_policy``) on the same windows.
+
+    The first result is always the untransformed baseline. ``max_tokens`` is passed to
+    ``transform`` (decode steps carry ``batch_size`` tokens; prefill is bypassed anyway).
+    """
+    specs = [p if isinstance(p, PolicySpec) else parse_policy(p) for p in policies]
+    specs = [s for s in specs if s.kwargs is not None]
+    for s in specs:
+        if s.needs_sim() and sim is None:
+            raise ValueError(f"sim: policy {s.label!r} needs expert-similarity matrices, got None")
+    if baseline is None:
+        baseline = decode_scores(model, windows, batch_size=batch_size, prefill=prefill, progress=progress,
+                                 desc="baseline")
+    scored = [("baseline", baseline, None)]
+    for spec in specs:
+        transform(model, sim if spec.needs_sim() else None, max_tokens=max_tokens, **spec.kwargs)
+        try:
+            settings = model.sere_settings.as_dict()
+            scored.append((spec.label, decode_scores(model, windows, batch_size=batch_size, prefill=prefill,
+                                                     progress=progress, desc=spec.label), settings))
+        finally:
+            restore(model)
+    results = []
+    for label, s, settings in scored:
+        ci = paired_bootstrap(baseline, s)
+        results.append(PolicyResult(
+            label=label, accuracy=s.accuracy, nll=s.mean_nll, perplexity=math.exp(s.mean_nll), distinct=s.mean_distinct,
+            distinct_per_layer={str(k): v for k, v in s.distinct.items()},
+            retention=s.accuracy / baseline.accuracy, retention_ci=ci["retention_ci"],
+            dnll=s.mean_nll - baseline.mean_nll, dnll_ci=ci["dnll_ci"], settings=settings,
+        ))
+    config = {"batch_size": batch_size, "prefill": prefill, "sequences": int(windows.shape[0]),
+              "window": int(windows.shape[1]), "scored_tokens": int(baseline.tokens.sum()), "max_tokens": max_tokens}
+    return EvalReport(results, config)
