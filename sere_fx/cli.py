@@ -66,6 +66,10 @@ def cmd_eval(args) -> int:
     report = evaluate(model, windows, args.policies, args.sim, batch_size=args.batch_size, prefill=args.prefill,
                       max_tokens=args.max_tokens)
     print(report.table())
+    for a, b in args.compare or []:
+        c = report.compare(a, b)
+        print(f"{b} vs {a}: accuracy ratio {c['ratio']:.4f} [{c['ratio_ci'][0]:.4f}, {c['ratio_ci'][1]:.4f}], "
+              f"dNLL {c['dnll']:+.4f} [{c['dnll_ci'][0]:+.4f}, {c['dnll_ci'][1]:+.4f}] (paired bootstrap, 95%)")
     paths = report.save(args.out_dir)
     print(f"wrote {paths['json']} and {paths['png']}")
     return 0
@@ -111,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "least_similar:S=2,rho=0, plan:PATH (default: the standard comparison set)")
     e.add_argument("--max-tokens", type=int, default=None,
                    help="passed to transform (default None: every decode step is re-routed)")
+    e.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),
+                   help="also print a paired comparison of policy B against policy A (repeatable)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     e.add_argument("--out-dir", default="sere-eval", help="where eval.json and pareto.png go (default sere-eval/)")
     e.set_defaults(func=cmd_eval)

@@ -180,10 +180,16 @@ def paired_bootstrap(base: DecodeScores, other: DecodeScores, resamples: int = 2
     n = base.correct.shape[0]
     idx = rng.integers(0, n, size=(resamples, n))
     tok = base.tokens[idx].sum(1)
-    retention = other.correct[idx].sum(1) / np.maximum(base.correct[idx].sum(1), 1)
+    base_correct = base.correct[idx].sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        retention = np.where(base_correct > 0, other.correct[idx].sum(1) / base_correct, np.nan)
     dnll = (other.nll[idx].sum(1) - base.nll[idx].sum(1)) / tok
+    if np.isnan(retention).all():
+        retention_ci = [math.nan, math.nan]
+    else:
+        retention_ci = [float(np.nanpercentile(retention, 2.5)), float(np.nanpercentile(retention, 97.5))]
     return {
-        "retention_ci": [float(np.percentile(retention, 2.5)), float(np.percentile(retention, 97.5))],
+        "retention_ci": retention_ci,
         "dnll_ci": [float(np.percentile(dnll, 2.5)), float(np.percentile(dnll, 97.5))],
     }
 
@@ -207,6 +213,18 @@ class PolicyResult:
 class EvalReport:
     results: list[PolicyResult]
     config: dict = field(default_factory=dict)
+    scores: dict[str, DecodeScores] = field(default_factory=dict, repr=False)  # per-sequence, by label
+
+    def compare(self, a: str, b: str) -> dict:
+        """Paired bootstrap of policy ``b`` against policy ``a`` (accuracy ratio b/a, NLL b - a)."""
+        for label in (a, b):
+            if label not in self.scores:
+                raise KeyError(f"compare: no policy labelled {label!r}; have {list(self.scores)}")
+        sa, sb = self.scores[a], self.scores[b]
+        ci = paired_bootstrap(sa, sb)
+        ratio = sb.accuracy / sa.accuracy if sa.accuracy else math.nan
+        return {"a": a, "b": b, "ratio": ratio, "ratio_ci": ci["retention_ci"],
+                "dnll": sb.mean_nll - sa.mean_nll, "dnll_ci": ci["dnll_ci"]}
 
     def table(self) -> str:
         base = self.results[0]
@@ -281,9 +299,9 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
         results.append(PolicyResult(
             label=label, accuracy=s.accuracy, nll=s.mean_nll, perplexity=math.exp(s.mean_nll), distinct=s.mean_distinct,
             distinct_per_layer={str(k): v for k, v in s.distinct.items()},
-            retention=s.accuracy / baseline.accuracy, retention_ci=ci["retention_ci"],
+            retention=s.accuracy / baseline.accuracy if baseline.accuracy else math.nan, retention_ci=ci["retention_ci"],
             dnll=s.mean_nll - baseline.mean_nll, dnll_ci=ci["dnll_ci"], settings=settings,
         ))
     config = {"batch_size": batch_size, "prefill": prefill, "sequences": int(windows.shape[0]),
               "window": int(windows.shape[1]), "scored_tokens": int(baseline.tokens.sum()), "max_tokens": max_tokens}
-    return EvalReport(results, config)
+    return EvalReport(results, config, {label: s for label, s, _ in scored})

@@ -1,0 +1,138 @@
+"""The batched-decode evaluation harness."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import sere_fx
+from sere_fx.discovery import find_moe_layers
+from sere_fx.evaluate import PolicySpec, decode_scores, evaluate, paired_bootstrap, parse_policy
+from tiny_models import random_similarity, tiny_model
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("qwen3_moe", seed=1)
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(3, 96, (10, 9), generator=g)
+    sim = random_similarity(find_moe_layers(model), seed=3)
+    return model, windows, sim
+
+
+def test_cached_decode_scores_equal_a_full_forward(setup):
+    model, windows, _ = setup
+    prefill = 3
+    s = decode_scores(model, windows, batch_size=4, prefill=prefill, progress=False)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(windows).logits.double(), dim=-1)
+    pos = torch.arange(prefill, windows.shape[1] - 1)
+    target = windows[:, pos + 1]
+    nll = -logp[:, pos].gather(2, target[..., None]).squeeze(-1)
+    correct = logp[:, pos].argmax(-1) == target
+    assert s.tokens.tolist() == [5] * 10
+    np.testing.assert_allclose(s.nll, nll.sum(1).numpy(), rtol=1e-5)
+    assert s.correct.tolist() == correct.sum(1).tolist()
+
+
+def test_distinct_experts_are_what_the_experts_receive(setup):
+    model, windows, sim = setup
+    layers = find_moe_layers(model)
+    seen = {layer.index: [] for layer in layers}
+    handles = []
+    for layer in layers:
+        def hook(module, args, out, index=layer.index):
+            seen[index].append(len(set(out[2].flatten().tolist())))
+        handles.append(layer.router.register_forward_hook(hook))
+    base = decode_scores(model, windows, batch_size=5, prefill=2, progress=False)
+    for h in handles:
+        h.remove()
+    for index, counts in seen.items():
+        decode_counts = [c for i, c in enumerate(counts) if i % 7 != 0]  # each batch: 1 prefill + 6 decode calls
+        assert base.distinct[index] == pytest.approx(sum(decode_counts) / len(decode_counts))
+    sere_fx.transform(model, sim, S=1, rho=0.0, max_tokens=None, stats=True)
+    try:
+        s = decode_scores(model, windows, batch_size=5, prefill=2, progress=False)
+        stats = sere_fx.routing_stats(model)
+    finally:
+        sere_fx.restore(model)
+    for index, st in stats.items():
+        assert st.calls == 12 and s.distinct[index] == pytest.approx(st.distinct_after / st.calls)
+        assert s.distinct[index] < base.distinct[index]
+
+
+def test_bootstrap_intervals():
+    from sere_fx.evaluate import DecodeScores
+
+    rng = np.random.default_rng(0)
+    tokens = np.full(50, 20)
+    base = DecodeScores(rng.integers(5, 15, 50), rng.random(50) * 40, tokens, {0: 10.0})
+    same = paired_bootstrap(base, base)
+    assert same["retention_ci"] == [1.0, 1.0] and same["dnll_ci"] == [0.0, 0.0]
+    # one fewer correct token in every sequence, 0.5 nats more per sequence
+    other = DecodeScores(base.correct - 1, base.nll + 0.5, tokens, {0: 5.0})
+    ci = paired_bootstrap(base, other)
+    assert ci["dnll_ci"][0] == pytest.approx(0.025) and ci["dnll_ci"][1] == pytest.approx(0.025)
+    point = other.correct.sum() / base.correct.sum()
+    assert ci["retention_ci"][0] < point < ci["retention_ci"][1] < 1.0
+    assert paired_bootstrap(base, other) == ci  # seeded
+    zero = DecodeScores(np.zeros(50, dtype=int), base.nll, tokens, {0: 1.0})
+    assert all(math.isnan(v) for v in paired_bootstrap(zero, base)["retention_ci"])
+
+
+def test_evaluate_report_and_files(setup, tmp_path):
+    model, windows, sim = setup
+    report = evaluate(model, windows, ["baseline", "sere:S=1,rho=0", "oea:S=1", "topk:S=2"], sim,
+                      batch_size=5, prefill=2, progress=False)
+    assert not sere_fx.is_transformed(model)
+    labels = [r.label for r in report.results]
+    assert labels == ["baseline", "sere:S=1,rho=0", "oea:S=1", "topk:S=2"]
+    base = report.results[0]
+    assert base.dnll == 0.0 and base.dnll_ci == [0.0, 0.0]
+    for r in report.results[1:]:
+        assert r.dnll_ci[0] <= r.dnll <= r.dnll_ci[1]
+        assert r.distinct < base.distinct and math.isclose(r.perplexity, math.exp(r.nll))
+    assert report.results[1].settings["layers"]["0"] == {"policy": "sere", "S": 1, "rho": 0.0}
+    c = report.compare("sere:S=1,rho=0", "oea:S=1")
+    assert c["dnll"] == pytest.approx(report.results[2].nll - report.results[1].nll)
+    with pytest.raises(KeyError, match="no policy labelled 'x'"):
+        report.compare("x", "oea:S=1")
+    paths = report.save(tmp_path)
+    data = json.load(open(paths["json"]))
+    assert data["config"]["scored_tokens"] == 60 and len(data["results"]) == 4
+    assert open(paths["png"], "rb").read(4) == b"\x89PNG"
+    assert "retention [95% CI]" in report.table()
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("baseline", PolicySpec("baseline", None)),
+        ("sere:S=2,rho=0.5", PolicySpec("sere:S=2,rho=0.5", {"policy": "sere", "S": 2, "rho": 0.5})),
+        ("sere:S=1,rho=q0.3", PolicySpec("sere:S=1,rho=q0.3", {"policy": "sere", "S": 1, "rho": sere_fx.Quantile(0.3)})),
+        ("oea:S=2", PolicySpec("oea:S=2", {"policy": "oea", "S": 2})),
+        ("plan:/x/p.json", PolicySpec("plan:p.json", {"plan": "/x/p.json"})),
+    ],
+)
+def test_parse_policy(text, expected):
+    assert parse_policy(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [("fast:S=2", r"policy: expected 'baseline', 'plan:PATH' or one of"), ("sere:K=2", r"expected settings S=<int>"),
+     ("plan:", r"expected 'plan:PATH'")],
+)
+def test_parse_policy_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_policy(text)
+
+
+def test_eval_needs_similarity_for_sere(setup):
+    model, windows, _ = setup
+    with pytest.raises(ValueError, match=r"sim: policy 'sere:S=1' needs expert-similarity matrices"):
+        evaluate(model, windows, ["sere:S=1"], None, progress=False)
+    with pytest.raises(ValueError, match=r"prefill: expected an int in \[1, 7\]"):
+        decode_scores(model, windows, prefill=8, progress=False)
