@@ -9,12 +9,14 @@ from sere_fx.plan import LayerPlan, Quantile, load_plan, save_plan
 from sere_fx.policies import POLICIES, bypass
 from sere_fx.similarity import Similarity
 from sere_fx.stats import LayerStats
+from sere_fx.tune import tune
 from sere_fx.transform import DEFAULT_MAX_TOKENS, SereSettings, is_transformed, restore, routing_stats, transform
 
 __version__ = "0.1.0"
 
 __all__ = [
     "transform",
+    "tune",
     "restore",
     "is_transformed",
     "routing_stats",

@@ -75,6 +75,30 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from sere_fx.plan import save_plan
+    from sere_fx.tune import tune
+
+    model, tokenizer = _load_model(args.model, args.dtype)
+    windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
+    result = tune(model, args.sim, windows, max_loss=args.max_loss, metric=args.metric, batch_size=args.batch_size,
+                  prefill=args.prefill, max_tokens=args.max_tokens)
+    print(result.summary())
+    save_plan(args.out, result.plan, tuned={"metric": result.metric, "max_loss": result.max_loss, "loss": result.loss,
+                                            "distinct": result.distinct, "baseline_distinct": result.baseline_distinct,
+                                            "data": str(args.data), "token_range": args.token_range,
+                                            "sequences": int(windows.shape[0])})
+    print(f"wrote {args.out}; use it with sere_fx.transform(model, sim, plan={args.out!r}) or --policies plan:{args.out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from sere_fx.demo import run
+
+    run(args.out_dir, num_eval_seqs=args.num_seqs, steps=args.steps)
+    return 0
+
+
 def _data_args(p, num_seqs: int) -> None:
     p.add_argument("--data", required=True, help="text: .txt, .jsonl (text field) or .parquet (text column)")
     p.add_argument("--txt-docs", choices=["file", "line"], default="file",
@@ -89,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="sere-fx", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="calibrate, transform, evaluate and time the embedded test-bed model")
+    d.add_argument("--out-dir", default="sere-demo", help="where the report, plots and similarity go (default sere-demo/)")
+    d.add_argument("--num-seqs", type=int, default=64, help="evaluation sequences (default 64)")
+    d.add_argument("--steps", type=int, default=64, help="scored decode steps per sequence (default 64)")
+    d.set_defaults(func=cmd_demo)
 
     c = sub.add_parser("calibrate", help="compute expert-similarity matrices for a model")
     c.add_argument("--model", required=True, help="a local transformers model directory")
@@ -120,6 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     e.add_argument("--out-dir", default="sere-eval", help="where eval.json and pareto.png go (default sere-eval/)")
     e.set_defaults(func=cmd_eval)
+
+    t = sub.add_parser("tune", help="per-layer policy/S/rho with the fewest experts within a quality budget")
+    t.add_argument("--model", required=True, help="a local transformers model directory")
+    t.add_argument("--sim", required=True, help="similarity file")
+    _data_args(t, 96)
+    t.add_argument("--max-loss", type=float, default=0.02,
+                   help="quality budget: mean NLL increase in nats/token (--metric nll, default 0.02) "
+                        "or relative accuracy drop (--metric accuracy)")
+    t.add_argument("--metric", choices=["nll", "accuracy"], default="nll")
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--prefill", type=int, default=4)
+    t.add_argument("--steps", type=int, default=96)
+    t.add_argument("--max-tokens", type=int, default=None, help="passed to transform (default None)")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--out", required=True, help="plan .json to write")
+    t.set_defaults(func=cmd_tune)
 
     i = sub.add_parser("inspect", help="summarise a similarity file; optionally plot heat maps")
     i.add_argument("sim", help="a similarity .safetensors file")

@@ -1,0 +1,80 @@
+"""``tune``: the knapsack choice against brute force, and the budget on a tiny model."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import sere_fx
+from sere_fx.discovery import find_moe_layers
+from sere_fx.evaluate import decode_scores
+from sere_fx.plan import LayerPlan
+from sere_fx.tune import Probe, _choose, default_candidates, tune
+from tiny_models import random_similarity, tiny_model
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_choose_matches_brute_force(seed):
+    rng = random.Random(seed)
+    options = {}
+    for layer in range(3):
+        options[layer] = [Probe(layer, LayerPlan("sere", 8, 0.0), 0.0, 60.0)] + [
+            Probe(layer, LayerPlan("oea", s, None), rng.uniform(-0.002, 0.03), rng.uniform(20, 60)) for s in range(1, 5)
+        ]
+    budget = rng.uniform(0.0, 0.05)
+    picks = _choose(options, budget, resolution=2000)
+    best = None
+    for combo in itertools.product(*options.values()):
+        if sum(max(p.loss, 0) for p in combo) <= budget:
+            d = sum(p.distinct for p in combo)
+            best = d if best is None else min(best, d)
+    got = sum(p.distinct for p in picks.values())
+    assert sum(max(p.loss, 0) for p in picks.values()) <= budget * (1 + 1e-9) + budget / 2000 * 3
+    assert got <= best + 1e-9 or got == pytest.approx(best, abs=1e-6)
+
+
+def test_default_candidates():
+    cands = default_candidates(8)
+    assert ("oea", 4, None) in cands and ("sere", 1, 0.0) in cands
+    assert all(1 <= s < 8 for _, s, _ in cands)
+    assert all(s <= 3 for p, s, _ in cands if p == "sere")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("olmoe", seed=2)
+    layers = find_moe_layers(model)
+    g = torch.Generator().manual_seed(1)
+    windows = torch.randint(3, 96, (12, 8), generator=g)
+    return model, random_similarity(layers, seed=4), windows
+
+
+@pytest.mark.parametrize("max_loss", [0.0, 0.05, 1.0])
+def test_tuned_plan_is_within_budget_when_measured_independently(setup, max_loss):
+    model, sim, windows = setup
+    result = tune(model, sim, windows, max_loss=max_loss, batch_size=6, prefill=2,
+                  candidates=[("oea", 1, None), ("oea", 2, None), ("sere", 1, 0.0)], progress=False)
+    assert not sere_fx.is_transformed(model)
+    base = decode_scores(model, windows, batch_size=6, prefill=2, progress=False)
+    sere_fx.transform(model, sim, plan=result.plan, max_tokens=None)
+    try:
+        s = decode_scores(model, windows, batch_size=6, prefill=2, progress=False)
+    finally:
+        sere_fx.restore(model)
+    loss = s.mean_nll - base.mean_nll
+    assert loss == pytest.approx(result.loss, abs=1e-9) and loss <= max_loss + 1e-12
+    assert s.mean_distinct == pytest.approx(result.distinct)
+    if max_loss == 1.0:  # a generous budget buys the cheapest candidates everywhere
+        assert result.distinct < result.baseline_distinct * 0.8
+    assert len(result.probes) == 2 * 4  # untouched + 3 candidates, per layer
+
+
+def test_bad_arguments(setup):
+    model, sim, windows = setup
+    with pytest.raises(ValueError, match=r"metric: expected one of \['nll', 'accuracy'\], got 'ppl'"):
+        tune(model, sim, windows, metric="ppl")
+    with pytest.raises(ValueError, match=r"max_loss: expected a finite number >= 0, got -1"):
+        tune(model, sim, windows, max_loss=-1)
+    with pytest.raises(ValueError, match=r"candidates: S=9 is outside \[1, 4\]"):
+        tune(model, sim, windows, candidates=[("oea", 9, None)], progress=False, batch_size=6, prefill=2)
