@@ -12,11 +12,16 @@ from sere_fx.stats import LayerStats
 from sere_fx.tune import tune
 from sere_fx.transform import DEFAULT_MAX_TOKENS, SereSettings, is_transformed, restore, routing_stats, transform
 
+from sere_fx.compile import backend, register as _register_backend
+
+_register_backend()  # torch.compile(..., backend="sere")
+
 __version__ = "0.1.0"
 
 __all__ = [
     "transform",
     "tune",
+    "backend",
     "restore",
     "is_transformed",
     "routing_stats",

@@ -79,10 +79,11 @@ def op_kind(node: Node) -> str | None:
 
 
 def node_shape(node) -> tuple[int, ...] | None:
-    """Static shape of a node's tensor value, if known (``meta["val"]`` or ``meta["tensor_meta"]``)."""
+    """Static shape of a node's tensor value, if known (``meta["val"]``: ATen/annotated graphs,
+    ``meta["example_value"]``: Dynamo graphs, ``meta["tensor_meta"]``: ShapeProp)."""
     if not isinstance(node, Node):
         return None
-    val = node.meta.get("val", node.meta.get("tensor_meta"))
+    val = node.meta.get("val", node.meta.get("example_value", node.meta.get("tensor_meta")))
     shape = getattr(val, "shape", None)
     if shape is None:
         return None

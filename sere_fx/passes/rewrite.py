@@ -22,21 +22,26 @@ from sere_fx.policies import INDEX_POLICIES, remap_ids, select_topk
 
 @dataclass(frozen=True)
 class SiteAttrs:
-    """Names of the owning module's attributes the inserted code reads (None: absent)."""
+    """Per-layer data the inserted code reads: the name of an attribute of the module that
+    owns the graph (read with ``get_attr``), or a node already in the graph (e.g. an extra
+    graph input); None: absent."""
 
-    similarity: str | None = None
-    stats: str | None = None
-    generator: str | None = None
+    similarity: str | Node | None = None
+    stats: str | Node | None = None
+    generator: str | Node | None = None
 
 
 def _get_attrs(graph: Graph, after: Node, attrs: SiteAttrs) -> tuple[Node, dict]:
     nodes = {}
     for key in ("similarity", "stats", "generator"):
-        name = getattr(attrs, key)
-        if name is None:
+        source = getattr(attrs, key)
+        if source is None:
+            continue
+        if isinstance(source, Node):
+            nodes[key] = source
             continue
         with graph.inserting_after(after):
-            after = nodes[key] = graph.get_attr(name)
+            after = nodes[key] = graph.get_attr(source)
     return after, nodes
 
 

@@ -1,0 +1,41 @@
+"""ONNX: the re-routing op is lowered to standard ONNX ops through its ATen decomposition.
+
+``sere.reroute`` decomposes into index_fill / masked_fill / argmax / gather / where /
+index (``sere_fx.ops.decompositions``): O(E^2 + T*K) work and no per-token loop, all
+standard opset-18 operators, so the model runs in plain onnxruntime with no custom-op library.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sere_fx.ops import decompositions
+
+
+def _complex_node(ep: torch.export.ExportedProgram):
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype.is_complex:
+            return node
+    return None
+
+
+def export_onnx(ep: torch.export.ExportedProgram, path: str, meta: str) -> str:
+    import onnx
+
+    node = _complex_node(ep)
+    if node is not None:
+        raise ValueError(
+            f"model: computes in complex numbers (node {node.name!r}: {node.format_node()[:120]}...), e.g. complex "
+            "rotary embeddings (DeepSeek-V2); ONNX has no complex tensors. Export it as 'pt2' or 'aoti' instead"
+        )
+
+    program = torch.onnx.export(ep.run_decompositions(decompositions()), dynamo=True, verbose=False)
+    program.save(path)
+    model = onnx.load(path)
+    from sere_fx.exporters.export import SETTINGS_KEY
+
+    entry = model.metadata_props.add()
+    entry.key, entry.value = SETTINGS_KEY, meta
+    onnx.save(model, path)
+    return path

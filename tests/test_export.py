@@ -1,0 +1,115 @@
+"""Exporters: pt2, aoti, onnx artifacts match the eager transformed model at two batch sizes."""
+
+import copy
+
+import pytest
+import torch
+
+import sere_fx
+from sere_fx import exporters
+from sere_fx.discovery import find_moe_layers
+from tiny_models import random_similarity, tiny_model
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v2"]
+
+
+def _models(family):
+    model = tiny_model(family, experts_implementation="grouped_mm")
+    sim = random_similarity(find_moe_layers(model), seed=9)
+    original = copy.deepcopy(model)
+    sere_fx.transform(model, sim, S=1, rho=0.0, max_tokens=None)
+    return model, original
+
+
+def _batches():
+    return [torch.randint(3, 90, (b, 6), generator=torch.Generator().manual_seed(b)) for b in (1, 4)]
+
+
+def _check(run, model, original):
+    for ids in _batches():
+        with torch.no_grad():
+            expected = model(ids, use_cache=False).logits
+            untransformed = original(ids, use_cache=False).logits
+        got = torch.as_tensor(run(ids))
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        assert (expected - untransformed).abs().max() > 1e-3, "routing must really differ"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pt2(family, tmp_path):
+    model, original = _models(family)
+    path = exporters.export(model, _batches()[1], tmp_path / "m.pt2", format="pt2")
+    ep = torch.export.load(path)
+    ops = [n for n in ep.graph.nodes if n.target == torch.ops.sere.reroute.default]
+    assert len(ops) == len(find_moe_layers(original)), "sere.reroute stays one node per layer"
+    sims = [s for s in ep.graph_signature.buffers_to_mutate.values()] + list(ep.state_dict)
+    assert sum("sere_similarity" in s for s in sims) == len(ops)
+    _check(lambda ids: ep.module()(ids), model, original)
+    settings = exporters.read_settings(path)
+    assert settings["sere_fx"] and settings["policy"] == "sere" and settings["layers"]["1"]["S"] == 1
+    assert settings["similarity_fingerprint"] == model.sere_settings.similarity_fingerprint
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_onnx_runs_in_plain_onnxruntime(family, tmp_path):
+    import onnx
+    import onnxruntime as ort
+
+    model, original = _models(family)
+    path = exporters.export(model, _batches()[1], tmp_path / "m.onnx", format="onnx")
+    graph_ops = {n.op_type for n in onnx.load(path).graph.node}
+    assert all(n.domain in ("", "ai.onnx") for n in onnx.load(path).graph.node), "standard ONNX ops only"
+    assert {"ArgMax", "GatherElements"} & graph_ops or "ArgMax" in graph_ops
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    _check(lambda ids: sess.run(None, {name: ids.numpy()})[0], model, original)
+    assert exporters.read_settings(path)["layers"]["0"] == {"policy": "sere", "S": 1, "rho": 0.0}
+    # the experts implementation used for export was put back
+    assert model.config._experts_implementation == "grouped_mm"
+
+
+def test_onnx_refuses_complex_models_clearly(tmp_path):
+    model, _ = _models("deepseek_v2")  # complex-valued rotary embeddings
+    with pytest.raises(ValueError, match=r"model: computes in complex numbers .* Export it as 'pt2' or 'aoti'"):
+        exporters.export(model, _batches()[1], tmp_path / "m.onnx", format="onnx")
+
+
+def test_aoti_package_loads_and_runs(tmp_path):
+    model, original = _models("qwen3_moe")
+    path = exporters.export(model, _batches()[1], tmp_path / "m_aoti.pt2", format="aoti")
+    runner = torch._inductor.aoti_load_package(path)
+    _check(lambda ids: runner(ids), model, original)
+    assert exporters.read_settings(path)["policy"] == "sere"
+
+
+def test_plain_export_of_an_untransformed_model(tmp_path):
+    model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    path = exporters.export(model, {"input_ids": _batches()[0]}, tmp_path / "plain.pt2")
+    ep = torch.export.load(path)
+    assert not any(n.target == torch.ops.sere.reroute.default for n in ep.graph.nodes)
+    ids = _batches()[1]
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(ids), model(ids, use_cache=False).logits, atol=1e-5, rtol=0)
+    assert exporters.read_settings(path) == {"sere_fx": False}
+
+
+def test_export_errors(tmp_path):
+    model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    ids = _batches()[0]
+    with pytest.raises(ValueError, match=r"format: expected one of \['pt2', 'aoti', 'onnx', 'tensorrt'\], got 'tflite'"):
+        exporters.export(model, ids, tmp_path / "x", format="tflite")
+    sere_fx.transform(model, random_similarity(find_moe_layers(model)), S=1)
+    with pytest.raises(ValueError, match=r"max_tokens: an exported artifact re-routes every call .* got 256"):
+        exporters.export(model, ids, tmp_path / "x.pt2")
+    eager = tiny_model("olmoe", experts_implementation="eager")
+    with pytest.raises(ValueError, match=r"model: the 'eager' experts implementation .* cannot be exported"):
+        exporters.export(eager, ids, tmp_path / "x.pt2")
+    with pytest.raises(TypeError, match=r"example_inputs: expected a tensor"):
+        exporters.export(eager, "ids", tmp_path / "x.pt2")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA failure")
+def test_tensorrt_fails_fast_without_cuda(tmp_path):
+    model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    with pytest.raises(RuntimeError, match=r"format 'tensorrt': needs a CUDA device; this machine has none"):
+        exporters.export(model, _batches()[0], tmp_path / "m.ts", format="tensorrt")
