@@ -99,6 +99,25 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    import torch
+
+    import sere_fx
+    from sere_fx.exporters import export
+
+    model, _ = _load_model(args.model, args.dtype)
+    if args.experts_implementation:
+        model.set_experts_implementation(args.experts_implementation)
+    if args.sim is not None or args.policy in ("topk", "oea") or args.plan:
+        kwargs = {"plan": args.plan} if args.plan else {"policy": args.policy, "S": args.S, "rho": args.rho}
+        sere_fx.transform(model, args.sim, max_tokens=None, **kwargs)
+    example = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
+    path = export(model, example, args.out, format=args.format, max_batch=args.max_batch)
+    what = model.sere_settings.as_dict() if sere_fx.is_transformed(model) else "untransformed"
+    print(f"wrote {path} ({args.format}; sequence length {args.seq_len}, batch 1..{args.max_batch}; {what})")
+    return 0
+
+
 def _data_args(p, num_seqs: int) -> None:
     p.add_argument("--data", required=True, help="text: .txt, .jsonl (text field) or .parquet (text column)")
     p.add_argument("--txt-docs", choices=["file", "line"], default="file",
@@ -166,6 +185,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--out", required=True, help="plan .json to write")
     t.set_defaults(func=cmd_tune)
+
+    x = sub.add_parser("export", help="write a deployable artifact (pt2, aoti, onnx, tensorrt)")
+    x.add_argument("--model", required=True, help="a local transformers model directory")
+    x.add_argument("--sim", help="similarity file; without it (and without --plan / a topk or oea --policy) the "
+                                 "model is exported untransformed")
+    x.add_argument("--policy", default="sere", choices=["sere", "least_similar", "random", "topk", "oea"])
+    x.add_argument("--S", type=int, default=2)
+    x.add_argument("--rho", type=float, default=None, help="default 0.5 for sere")
+    x.add_argument("--plan", help="a plan from `sere-fx tune` (replaces --policy/--S/--rho)")
+    x.add_argument("--format", choices=["pt2", "aoti", "onnx", "tensorrt"], required=True)
+    x.add_argument("--seq-len", type=int, default=1, help="sequence length of the exported graph (default 1: decode)")
+    x.add_argument("--batch", type=int, default=2, help="example batch size (the artifact's batch is dynamic)")
+    x.add_argument("--max-batch", type=int, default=1024)
+    x.add_argument("--experts-implementation", choices=["grouped_mm", "batched_mm"], default="grouped_mm",
+                   help="transformers experts implementation to export (default grouped_mm; onnx uses batched_mm)")
+    x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    x.add_argument("--out", required=True)
+    x.set_defaults(func=cmd_export)
 
     i = sub.add_parser("inspect", help="summarise a similarity file; optionally plot heat maps")
     i.add_argument("sim", help="a similarity .safetensors file")
