@@ -16,6 +16,10 @@ from sere_fx.compile import backend, register as _register_backend
 
 _register_backend()  # torch.compile(..., backend="sere")
 
+from sere_fx.kernels.experts_cpu import register as _register_experts
+
+_register_experts()  # model.set_experts_implementation("sere_sparse")
+
 __version__ = "0.1.0"
 
 __all__ = [

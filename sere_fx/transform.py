@@ -11,6 +11,7 @@ a subclass; its similarity matrix becomes the buffer ``sere_similarity``, so ``.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,7 @@ def transform(
     max_tokens: int | None = DEFAULT_MAX_TOKENS,
     stats: bool = False,
     plan=None,
+    experts_implementation: str | None = None,
 ) -> nn.Module:
     """Make every MoE layer of ``model`` route with ``policy``; returns ``model`` (changed in place).
 
@@ -97,9 +99,17 @@ def transform(
             device sync per layer call, so leave it off when timing.
         plan: per-layer settings from ``sere_fx.tune`` (a JSON path or dict); replaces
             ``policy``, ``S`` and ``rho``, which must then be left at their defaults.
+        experts_implementation: switch a transformers model's experts implementation too,
+            e.g. ``"sere_sparse"`` (``sere_fx.kernels.experts_cpu``) or ``"grouped_mm"``.
+            Fewer experts only save time if the implementation reads active experts only:
+            a warning says so when the model runs one that reads weights per token-slot.
     """
     if is_transformed(model):
         raise ValueError("model: already transformed by sere_fx; call sere_fx.restore(model) first")
+    if experts_implementation is not None:
+        if not hasattr(model, "set_experts_implementation"):
+            raise ValueError(f"experts_implementation: {type(model).__name__} is not a transformers model with "
+                             f"selectable experts implementations, got experts_implementation={experts_implementation!r}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
     layers = find_moe_layers(model)
@@ -142,12 +152,29 @@ def transform(
         for node in layer.graph.nodes:  # example values are not needed any more
             node.meta.pop("val", None)
         _install_forward(router, layer.graph, layer.index)
+    if experts_implementation is not None:
+        model.set_experts_implementation(experts_implementation)
+    _warn_if_cannot_benefit(model)
     model.sere_settings = SereSettings(
         layers=layer_plans,
         max_tokens=max_tokens,
         similarity_fingerprint=_fingerprint(matrices) if matrices else None,
     )
     return model
+
+
+# Experts implementations whose cost does not fall with the number of distinct experts.
+_NO_BENEFIT = {"batched_mm": "gathers a weight copy per token-slot, so its traffic follows T*K, not distinct experts"}
+
+
+def _warn_if_cannot_benefit(model: nn.Module) -> None:
+    impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if impl in _NO_BENEFIT:
+        warnings.warn(
+            f"model: runs the {impl!r} experts implementation, which {_NO_BENEFIT[impl]}; re-routing will not make "
+            "it faster. Use experts_implementation='grouped_mm' or 'sere_sparse'",
+            stacklevel=3,
+        )
 
 
 def _install_forward(router: nn.Module, graph, layer_index: int) -> None:

@@ -201,3 +201,17 @@ def test_index_policy_without_similarity():
 def test_quantile_validation():
     with pytest.raises(ValueError, match=r"Quantile.q: expected a number in \[0, 1\], got 1.5"):
         sere_fx.Quantile(1.5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"])
+def test_sparse_experts_implementation_matches_eager(family):
+    """``sere_sparse`` (active experts only, duplicate slots merged) computes what ``eager`` does."""
+    model = tiny_model(family)
+    sim = random_similarity(find_moe_layers(model), seed=6)
+    sere_fx.transform(model, sim, S=1, rho=0.0, max_tokens=None)  # duplicates (token, expert) slots
+    ids = _ids(model, batch=5, length=3)
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.set_experts_implementation("sere_sparse")
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)

@@ -201,3 +201,19 @@ def test_settings_are_recorded():
     assert all((lp.policy, lp.S, lp.rho) == ("sere", 2, 0.25) for lp in s.layers.values())
     assert len(s.similarity_fingerprint) == 16
     assert s.as_dict()["layers"]["1"] == {"policy": "sere", "S": 2, "rho": 0.25}
+
+
+def test_experts_implementation_switch_and_warning():
+    model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    layers = find_moe_layers(model)
+    sim = random_similarity(layers)
+    ids = _inputs(model)
+    with torch.no_grad():
+        expected = copy.deepcopy(model).eval()
+        sere_fx.transform(expected, sim, S=1, rho=0.0)
+        sere_fx.transform(model, sim, S=1, rho=0.0, experts_implementation="sere_sparse")
+        assert model.config._experts_implementation == "sere_sparse"
+        torch.testing.assert_close(model(ids).logits, expected(ids).logits, atol=1e-5, rtol=0)
+    slow = tiny_model("olmoe", experts_implementation="batched_mm")
+    with pytest.warns(UserWarning, match=r"model: runs the 'batched_mm' experts implementation, which gathers"):
+        sere_fx.transform(slow, random_similarity(find_moe_layers(slow)), S=1)

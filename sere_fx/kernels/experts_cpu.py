@@ -1,0 +1,85 @@
+"""An experts implementation that touches only the active experts' weights, built for decode.
+
+Registered with transformers as the experts implementation ``"sere_sparse"``
+(``model.set_experts_implementation("sere_sparse")``, or ``sere_fx.transform(...,
+experts_implementation="sere_sparse")``). Why it exists: in batched decode each active
+expert sees a handful of rows, so the expert matmuls are memory-bound GEMMs with tiny N, and
+how the weights are streamed decides whether fewer experts turn into less time.
+
+- (token, expert) pairs are deduplicated first, their routing weights summed: re-routing
+  often sends several slots of one token to the same primary expert, and one row with the
+  summed weight is the same math done once (fewer FLOPs, which matter on a CPU);
+- rows are grouped by expert with one sort; one Python-level loop runs over *active*
+  experts only, each doing ``W @ X^T`` with the weight as the row-major left operand (MKL
+  streams it well for small N, better than ``F.linear``'s transposed form);
+- results are scattered back with one ``index_add_``.
+
+Layouts other than transformers' default (``gate_up_proj [E, 2I, H]`` concatenated,
+``down_proj [E, H, I]``, no bias) and non-CPU devices fall back to ``grouped_mm``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "sere_sparse"
+
+
+def _standard_layout(experts) -> bool:
+    return (
+        getattr(experts, "has_gate", True)
+        and not getattr(experts, "has_bias", False)
+        and not getattr(experts, "is_transposed", False)
+        and getattr(experts, "is_concatenated", True)
+        and not getattr(experts, "has_post_expert_norm", False)
+        and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
+        and isinstance(getattr(experts, "down_proj", None), torch.Tensor)
+    )
+
+
+def sparse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    if hidden_states.device.type != "cpu" or not _standard_layout(self):
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    num_tokens, hidden = hidden_states.shape
+    num_experts = self.gate_up_proj.shape[0]
+    k = top_k_index.shape[-1]
+    ids = top_k_index.reshape(-1)
+    weights = top_k_weights.reshape(-1)
+    tokens = torch.arange(num_tokens, device=ids.device).repeat_interleave(k)
+    valid = ids < num_experts  # an index == num_experts marks a slot with no expert
+    if not bool(valid.all()):
+        ids, weights, tokens = ids[valid], weights[valid], tokens[valid]
+    # One row per distinct (expert, token), sorted by expert; duplicate slots sum their weights.
+    keys, inverse = torch.unique(ids * num_tokens + tokens, return_inverse=True)
+    row_weight = torch.zeros(keys.shape[0], dtype=torch.float32, device=ids.device)
+    row_weight.index_add_(0, inverse, weights.float())
+    row_expert = keys // num_tokens
+    row_token = keys % num_tokens
+    counts = torch.bincount(row_expert, minlength=num_experts).tolist()
+    x = hidden_states[row_token]
+    out = torch.empty(keys.shape[0], hidden, dtype=hidden_states.dtype, device=hidden_states.device)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        xs_t = x[start : start + c].T  # [H, c]
+        gate_up = torch.mm(self.gate_up_proj[e], xs_t)  # [2I, c]
+        gate, up = gate_up.chunk(2, dim=0)
+        h = self.act_fn(gate) * up  # [I, c]
+        y = torch.mm(self.down_proj[e], h)  # [H, c]
+        out[start : start + c] = (y * row_weight[start : start + c].to(y.dtype)).T
+        start += c
+    final = torch.zeros_like(hidden_states)
+    final.index_add_(0, row_token, out)
+    return final
+
+
+def register() -> None:
+    """Make ``"sere_sparse"`` a transformers experts implementation (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(NAME, sparse_experts_forward)
