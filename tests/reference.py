@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 
-def reroute_loop(topk_ids, similarity, S: int, rho: float):
-    """``sere.reroute`` as nested Python loops over tokens and slots (float64 similarity)."""
+def _remap_loop(topk_ids, similarity, S: int, rho: float, target: str):
+    """Nested Python loops over tokens and slots. Critical = the best primary match is below
+    rho (float32 comparison); a re-routed slot goes to the most (``target="best"``) or least
+    (``"least"``) similar primary, ties to the lowest expert index."""
     ids = [[int(e) for e in row] for row in topk_ids.tolist()]
-    sim = similarity.to(torch.float64).tolist()
     if not ids or S >= len(ids[0]):
         return torch.tensor(ids, dtype=torch.int64).reshape(topk_ids.shape)
+    sim = similarity.to(torch.float32).tolist()
     primary = sorted({row[s] for row in ids for s in range(S)})
     rho32 = float(torch.tensor(rho, dtype=torch.float32))
     out = []
@@ -22,14 +24,18 @@ def reroute_loop(topk_ids, similarity, S: int, rho: float):
                 continue
             best, best_sim = None, None
             for p in primary:  # ascending, strict '>' keeps the lowest index on ties
-                value = float(torch.tensor(sim[e][p], dtype=torch.float32))
-                if best is None or value > best_sim:
-                    best, best_sim = p, value
+                if best is None or sim[e][p] > best_sim:
+                    best, best_sim = p, sim[e][p]
             if rho > 0 and best_sim < rho32:
                 continue  # critical: kept
-            new_row[s] = best
+            new_row[s] = best if target == "best" else min(primary, key=lambda p: (sim[e][p], p))
         out.append(new_row)
     return torch.tensor(out, dtype=torch.int64)
+
+
+def reroute_loop(topk_ids, similarity, S: int, rho: float):
+    """``sere.reroute``, straight from its rules."""
+    return _remap_loop(topk_ids, similarity, S, rho, "best")
 
 
 def rank_order(topk_ids, topk_values):
@@ -54,25 +60,7 @@ def reroute_unsorted_loop(topk_ids, topk_values, similarity, S: int, rho: float)
 
 def least_similar_loop(topk_ids, similarity, S: int, rho: float):
     """``least_similar``: SERE's primary and critical sets, target = least similar primary."""
-    ids = [[int(e) for e in row] for row in topk_ids.tolist()]
-    if S >= len(ids[0]):
-        return topk_ids.clone()
-    sim = similarity.to(torch.float32)
-    primary = sorted({row[s] for row in ids for s in range(S)})
-    out = []
-    for row in ids:
-        new_row = list(row)
-        for s in range(S, len(row)):
-            e = row[s]
-            if e in primary:
-                continue
-            best = max(float(sim[e, p]) for p in primary)
-            if rho > 0 and best < float(torch.tensor(rho, dtype=torch.float32)):
-                continue
-            worst = min(primary, key=lambda p: (float(sim[e, p]), p))
-            new_row[s] = worst
-        out.append(new_row)
-    return torch.tensor(out, dtype=torch.int64)
+    return _remap_loop(topk_ids, similarity, S, rho, "least")
 
 
 def oea_loop(scores, k: int, k0: int):
