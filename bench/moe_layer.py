@@ -250,8 +250,12 @@ def plot(result: dict, path: str) -> None:
             continue
         groups.setdefault((r["layer"], r["dtype"], r["impl"], r["routing"], r["policy"]), []).append(r)
     keys = sorted({k[:4] for k in groups})
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    cols = min(4, len(keys))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 4.0 * nrows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.axis("off")
+    for ax, key in zip(axes.flat, keys):
         for k, rs in sorted(groups.items()):
             if k[:4] != key:
                 continue
@@ -279,7 +283,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="only baseline, SERE S=2 (rho 0 and 0.5) and OEA S=2")
     p.add_argument("--out", default=os.path.join(HERE, "results", "moe_layer.json"))
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG from an existing --out JSON")
     args = p.parse_args()
+    if args.replot:
+        with open(args.out) as f:
+            plot(json.load(f), os.path.splitext(args.out)[0] + ".png")
+        return 0
     result = run(args)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

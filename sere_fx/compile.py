@@ -75,8 +75,11 @@ class SereBackend:
         by the source Dynamo recorded for each, so each new buffer is given a constant source.
         """
         sizes = sorted({int(m.shape[0]) for m in self.sim.values()}) if self.sim is not None else None
-        if sizes is None:  # policies without similarity: take expert counts from the graph itself
-            sizes = sorted({_n_experts(n) for n in gm.graph.nodes if op_kind(n) == "topk"} - {None})
+        if sizes is None:
+            # Policies without similarity: the expert dimension is the widest top-k input in
+            # the graph (group top-ks, as in DeepSeek, run over fewer entries).
+            widths = {_n_experts(n) for n in gm.graph.nodes if op_kind(n) == "topk"} - {None}
+            sizes = [max(widths)] if widths else []
         found = {}
         for e in sizes:
             for site in find_routing_sites(gm.graph, e, where="compiled graph"):

@@ -90,3 +90,19 @@ def test_sere_backend_is_registered_and_warns_on_untransformed_graphs():
     with pytest.warns(UserWarning, match="backend 'sere': this graph has a top-k but no sere_fx routing call"):
         with torch.no_grad():
             torch.compile(model, backend="sere")(ids, use_cache=False)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2_group", "qwen2_moe"])
+def test_backend_with_a_policy_that_needs_no_similarity(family):
+    """OEA through the backend: no similarity, so the expert dimension comes from the graph
+    (the widest top-k; DeepSeek's group top-k must not be taken for a routing site)."""
+    torch._dynamo.reset()
+    model = tiny_model(family, experts_implementation="grouped_mm")
+    ref = sere_fx.transform(copy.deepcopy(model), None, S=1, policy="oea", max_tokens=None)
+    backend = SereBackend(None, S=1, policy="oea", max_tokens=None, inner=aot_eager)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    ids = torch.randint(3, 90, (4, 3), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, use_cache=False).logits, ref(ids, use_cache=False).logits,
+                                   atol=1e-4, rtol=0)
+    assert backend.sites_rewritten == len(find_moe_layers(model))
