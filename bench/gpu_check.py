@@ -97,7 +97,7 @@ def check_compile() -> dict:
 
 
 def moe_layer() -> list:
-    from moe_layer import Holder, build_block  # bench/moe_layer.py
+    from sere_fx.layer_bench import Holder, build_block
 
     block, cfg = build_block("qwen3-30b-a3b", torch.bfloat16)
     block = block.cuda()

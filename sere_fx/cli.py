@@ -118,6 +118,12 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from sere_fx import layer_bench
+
+    return layer_bench.main(args)
+
+
 def _data_args(p, num_seqs: int) -> None:
     p.add_argument("--data", required=True, help="text: .txt, .jsonl (text field) or .parquet (text column)")
     p.add_argument("--txt-docs", choices=["file", "line"], default="file",
@@ -203,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     x.add_argument("--out", required=True)
     x.set_defaults(func=cmd_export)
+
+    from sere_fx import layer_bench
+
+    b = sub.add_parser("bench", help="time one MoE layer at real sizes: baseline vs policies, against the limit",
+                       description=layer_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    layer_bench.add_arguments(b, "sere-bench/moe_layer.json")
+    b.set_defaults(func=cmd_bench)
 
     i = sub.add_parser("inspect", help="summarise a similarity file; optionally plot heat maps")
     i.add_argument("sim", help="a similarity .safetensors file")
