@@ -3,7 +3,37 @@
     model = sere_fx.transform(model, sim, S=2, rho=0.5)
 """
 
-from sere_fx import ops  # noqa: F401  (registers torch.ops.sere.reroute)
+import importlib.abc as _abc
+import importlib.util as _util
+import os as _os
+import sys as _sys
+
+
+class _SourceTreeFinder(_abc.MetaPathFinder):
+    """Run from a plain source checkout (no install): ``calibration/`` and ``exporters/`` sit
+    beside ``sere_fx/`` and an install maps them to ``sere_fx.calibration`` / ``sere_fx.exporters``
+    (pyproject ``package-dir``). Consulted only after every other finder failed."""
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+
+    def find_spec(self, name, path=None, target=None):
+        head, _, tail = name.partition(".")
+        sub, _, rest = tail.partition(".")
+        if head != "sere_fx" or sub not in ("calibration", "exporters"):
+            return None
+        folder = _os.path.join(self._root, sub, *rest.split(".")) if rest else _os.path.join(self._root, sub)
+        init = _os.path.join(folder, "__init__.py")
+        if _os.path.isfile(init):
+            return _util.spec_from_file_location(name, init, submodule_search_locations=[folder])
+        if _os.path.isfile(folder + ".py"):
+            return _util.spec_from_file_location(name, folder + ".py")
+        return None
+
+
+if not any(isinstance(f, _SourceTreeFinder) for f in _sys.meta_path):
+    _sys.meta_path.append(_SourceTreeFinder())
+
+from sere_fx import ops  # noqa: E402,F401  (registers torch.ops.sere.reroute)
 from sere_fx.passes.matcher import RoutingMatchError
 from sere_fx.plan import LayerPlan, Quantile, load_plan, save_plan
 from sere_fx.policies import POLICIES, bypass
