@@ -13,6 +13,9 @@ over between models or similarity methods. ``tune`` searches, on a tuning text:
    exactly (layers interact), so the budget given to step 2 is searched (secant steps on
    the measured loss, a few rounds) for the largest one whose plan, measured as a whole,
    stays within ``max_loss``; the best such plan is kept.
+4. *Uniform plans*: every candidate applied to all layers at once is measured too, so the
+   result is never worse on the tuning text than the best single setting within budget
+   (the per-layer model can miss it when its loss estimate is pessimistic).
 
 The loss is the mean NLL increase in nats per scored token (``metric="nll"``, default:
 smooth, so small budgets are measurable) or the relative top-1 accuracy drop
@@ -103,6 +106,17 @@ def _choose(options: dict[int, list[Probe]], budget: float, resolution: int = 40
     return {p.layer: p for p in picks}
 
 
+def _uniform_plans(jobs, layers) -> list[dict[int, LayerPlan]]:
+    """One plan per candidate, applied to every layer (rho resolved per layer)."""
+    per_layer = {}
+    for index, lp in jobs:
+        per_layer.setdefault(index, []).append(lp)
+    counts = {len(v) for v in per_layer.values()}
+    if len(per_layer) != len(layers) or len(counts) != 1:
+        return []
+    return [{i: per_layer[i][j] for i in per_layer} for j in range(counts.pop())]
+
+
 def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float = 0.02, metric: str = "nll",
          candidates=None, batch_size: int = 32, prefill: int = 4, max_tokens: int | None = None,
          verify_rounds: int = 4, progress: bool = True) -> TuneResult:
@@ -144,14 +158,22 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float = 0.02
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(jobs) + verify_rounds, desc="tune: probing layer settings", unit="pass")
+        bar = tqdm(total=len(jobs) + len(_uniform_plans(jobs, layers)) + verify_rounds, desc="tune", unit="pass")
     for index, lp in jobs:
         s = run({**untouched, index: lp})
         options[index].append(Probe(index, lp, _loss(base, s, metric), s.distinct[index]))
         if bar is not None:
             bar.update(1)
     best = (untouched, 0.0, base)  # the untouched model is always within budget
-    budget, rounds, tried = max_loss, 0, {}
+    tried = {}
+    for plan in _uniform_plans(jobs, layers):
+        s = tried[tuple(sorted(plan.items()))] = run(plan)
+        loss = _loss(base, s, metric)
+        if loss <= max_loss and s.mean_distinct < best[2].mean_distinct:
+            best = (plan, loss, s)
+        if bar is not None:
+            bar.update(1)
+    budget, rounds = max_loss, 0
     while rounds < verify_rounds:
         rounds += 1
         plan = {i: p.plan for i, p in _choose(options, budget).items()}

@@ -68,6 +68,15 @@ def test_tuned_plan_is_within_budget_when_measured_independently(setup, max_loss
     if max_loss == 1.0:  # a generous budget buys the cheapest candidates everywhere
         assert result.distinct < result.baseline_distinct * 0.8
     assert len(result.probes) == 2 * 4  # untouched + 3 candidates, per layer
+    # never worse than the best uniform setting within budget, measured independently
+    for policy, S in (("oea", 1), ("oea", 2)):
+        sere_fx.transform(model, None, S=S, policy=policy, max_tokens=None)
+        try:
+            u = decode_scores(model, windows, batch_size=6, prefill=2, progress=False)
+        finally:
+            sere_fx.restore(model)
+        if u.mean_nll - base.mean_nll <= max_loss:
+            assert result.distinct <= u.mean_distinct + 1e-9
 
 
 def test_bad_arguments(setup):
