@@ -165,8 +165,8 @@ def _ancestors(node: Node, limit: int = 64) -> set[Node]:
     return seen
 
 
-def _is_weight_use(user: Node, indices: Node, score_nodes: set[Node]) -> bool:
-    """True when ``user`` gathers routing weights from the router scores at ``indices``."""
+def _is_weight_use(user: Node, score_nodes: set[Node]) -> bool:
+    """True when ``user`` gathers routing weights from the router scores (by the top-k indices)."""
     kind = op_kind(user)
     if kind == "gather":
         source = user.args[0] if user.args else user.kwargs.get("input")
@@ -233,7 +233,7 @@ def find_routing_sites(graph: Graph, num_experts: int, where: str = "graph") -> 
             values=_tuple_item(node, 0),
         )
         for user in indices.users:
-            if _is_weight_use(user, indices, score_nodes):
+            if _is_weight_use(user, score_nodes):
                 site.weight_uses.append(user)
             else:
                 site.dispatch_uses.append(user)
