@@ -5,9 +5,8 @@
 - ``.jsonl``: one JSON object per line, its ``text`` field;
 - ``.parquet``: the ``text`` column.
 
-Each document is cut into consecutive windows of ``seq_len`` tokens; a document shorter
-than ``seq_len`` gives none (so only documents with more than ``seq_len`` tokens count),
-and a partial last window is dropped.
+Only documents with more than ``seq_len`` tokens are used; each is cut into consecutive
+windows of ``seq_len`` tokens, and a partial last window is dropped.
 """
 
 from __future__ import annotations
@@ -69,6 +68,9 @@ def token_windows(
     base = 0
     for doc in documents:
         ids = tokenizer(doc, verbose=False)["input_ids"]  # long documents are the point: no length warning
+        if len(ids) <= seq_len:
+            base += len(ids)
+            continue
         for start in range(0, len(ids) - seq_len + 1, seq_len):
             if base + start < first or (last is not None and base + start + seq_len > last):
                 continue
@@ -77,7 +79,7 @@ def token_windows(
                 return torch.tensor(windows, dtype=torch.int64)
         base += len(ids)
     if not windows:
-        raise ValueError(f"data: no document has {seq_len} tokens or more (in token range {first}:{last})")
+        raise ValueError(f"data: no document has more than {seq_len} tokens (in token range {first}:{last})")
     return torch.tensor(windows, dtype=torch.int64)
 
 

@@ -184,8 +184,11 @@ def test_data_formats(tmp_path):
     with pytest.raises(ValueError, match="data: expected a file ending in one of"):
         (tmp_path / "a.csv").write_text("x")
         read_documents(tmp_path / "a.csv")
-    with pytest.raises(ValueError, match="no document has 100 tokens"):
+    with pytest.raises(ValueError, match="no document has more than 100 tokens"):
         token_windows(Tok(), ["abc"], 100)
+    # exactly seq_len tokens is not "more than": skipped, and token ranges still count it
+    assert token_windows(Tok(), ["abcd", "efghijkl"], 4).tolist() == [[101, 102, 103, 104], [105, 106, 107, 108]]
+    assert token_windows(Tok(), ["abcd", "efghijkl"], 4, token_range=(8, None)).tolist() == [[105, 106, 107, 108]]
 
 
 TESTBED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "testbed")

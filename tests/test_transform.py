@@ -217,3 +217,21 @@ def test_experts_implementation_switch_and_warning():
     slow = tiny_model("olmoe", experts_implementation="batched_mm")
     with pytest.warns(UserWarning, match=r"model: runs the 'batched_mm' experts implementation, which gathers"):
         sere_fx.transform(slow, random_similarity(find_moe_layers(slow)), S=1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_bfloat16_models(family):
+    """The traced router keeps its dtype-dependent casts dynamic: a bf16 model transformed
+    before or after .to(bfloat16) computes what the hooked reference computes."""
+    model = tiny_model(family).to(torch.bfloat16)
+    layers = find_moe_layers(model)
+    sim = random_similarity(layers, seed=4)
+    reference = copy.deepcopy(model)
+    hook_reference(reference, layers, sim, 1, 0.2, unsorted=family in UNSORTED)
+    ids = _inputs(model)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = sere_fx.transform(copy.deepcopy(model), sim, S=1, rho=0.2, max_tokens=None)(ids).logits
+        late = sere_fx.transform(tiny_model(family), sim, S=1, rho=0.2, max_tokens=None).to(torch.bfloat16)(ids).logits
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expected) and torch.equal(late, expected)
