@@ -119,7 +119,7 @@ def _uniform_plans(jobs, layers) -> list[dict[int, LayerPlan]]:
 
 def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float = 0.02, metric: str = "nll",
          candidates=None, batch_size: int = 32, prefill: int = 4, max_tokens: int | None = None,
-         verify_rounds: int = 4, progress: bool = True) -> TuneResult:
+         verify_rounds: int = 8, progress: bool = True) -> TuneResult:
     """Per-layer (policy, S, rho) for ``model`` on tuning ``windows``; see the module doc.
 
     ``candidates``: ``[(policy, S, rho), ...]`` tried on every layer (default
