@@ -71,3 +71,13 @@ __all__ = [
     "load_plan",
     "save_plan",
 ]
+
+
+def __getattr__(name):
+    # ``sere_fx.calibration`` / ``sere_fx.exporters`` without importing them first (they pull
+    # in more than ``transform`` needs, so they load on first use).
+    if name in ("calibration", "exporters"):
+        import importlib
+
+        return importlib.import_module(f"sere_fx.{name}")
+    raise AttributeError(f"module 'sere_fx' has no attribute {name!r}")

@@ -31,3 +31,12 @@ def test_pyproject_installs_no_top_level_calibration_or_exporters():
     names = [p.strip().strip('"') for p in packages.split(",") if p.strip()]
     assert all(n == "sere_fx" or n.startswith("sere_fx.") for n in names), names
     assert '"sere_fx.calibration" = "calibration"' in text and '"sere_fx.exporters" = "exporters"' in text
+
+
+def test_subpackages_are_attributes_without_an_explicit_import():
+    import subprocess
+    import sys
+
+    code = "import sere_fx; print(sere_fx.calibration.METHODS, sere_fx.exporters.FORMATS)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "frobenius" in out and "onnx" in out
