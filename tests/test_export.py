@@ -80,6 +80,19 @@ def test_aoti_package_loads_and_runs(tmp_path):
     runner = torch._inductor.aoti_load_package(path)
     _check(lambda ids: runner(ids), model, original)
     assert exporters.read_settings(path)["policy"] == "sere"
+    # the package runs in a process that never imports sere_fx (transformers is imported for
+    # its own grouped_mm custom op, which the experts call)
+    import subprocess
+    import sys
+
+    ids = _batches()[1]
+    torch.save(ids, tmp_path / "ids.pt")
+    code = (f"import sys, torch, transformers.integrations.moe; assert 'sere_fx' not in sys.modules; ids = torch.load({str(tmp_path / 'ids.pt')!r}); "
+            f"out = torch._inductor.aoti_load_package({path!r})(ids); assert 'sere_fx' not in sys.modules; "
+            f"torch.save(out, {str(tmp_path / 'out.pt')!r})")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(ids, use_cache=False).logits, atol=1e-4, rtol=0)
 
 
 def test_plain_export_of_an_untransformed_model(tmp_path):
