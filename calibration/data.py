@@ -63,6 +63,8 @@ def token_windows(
     """
     if seq_len < 1:
         raise ValueError(f"seq_len: expected a positive int, got {seq_len}")
+    if num_seqs is not None and num_seqs < 1:
+        raise ValueError(f"num_seqs: expected a positive int, got {num_seqs}")
     first, last = token_range
     windows = []
     base = 0
@@ -84,6 +86,8 @@ def token_windows(
 
 
 def batched(windows: torch.Tensor, batch_size: int):
+    if batch_size < 1:
+        raise ValueError(f"batch_size: expected a positive int, got {batch_size}")
     for start in range(0, windows.shape[0], batch_size):
         yield windows[start : start + batch_size]
 

@@ -126,6 +126,8 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
                   progress: bool = True, desc: str = "decode") -> DecodeScores:
     """Teacher-forced batched decode over ``windows [N, L]``; scores the L - prefill - 1 decode steps."""
     n, length = windows.shape
+    if batch_size < 1:
+        raise ValueError(f"batch_size: expected a positive int, got {batch_size}")
     if not 1 <= prefill < length - 1:
         raise ValueError(f"prefill: expected an int in [1, {length - 2}] for windows of {length} tokens, got {prefill}")
     layers = find_moe_blocks(model)

@@ -109,6 +109,9 @@ def load_plan(plan) -> dict[int, LayerPlan]:
     out = {}
     for k, v in plan.items():
         if isinstance(v, Mapping):
+            unknown = sorted(set(v) - {"policy", "S", "rho"})
+            if unknown or not {"policy", "S"} <= set(v):
+                raise ValueError(f"plan[{k}]: expected keys policy, S and rho, got {sorted(v)}")
             v = LayerPlan(**v)
         if not isinstance(v, LayerPlan):
             raise TypeError(f"plan[{k}]: expected a LayerPlan or a dict, got {type(v).__name__}")

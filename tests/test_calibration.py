@@ -184,6 +184,10 @@ def test_data_formats(tmp_path):
     with pytest.raises(ValueError, match="data: expected a file ending in one of"):
         (tmp_path / "a.csv").write_text("x")
         read_documents(tmp_path / "a.csv")
+    with pytest.raises(ValueError, match="num_seqs: expected a positive int, got 0"):
+        token_windows(Tok(), ["abcdefgh"], 4, num_seqs=0)
+    with pytest.raises(ValueError, match="batch_size: expected a positive int, got 0"):
+        list(batched(torch.zeros(3, 4), 0))
     with pytest.raises(ValueError, match="no document has more than 100 tokens"):
         token_windows(Tok(), ["abc"], 100)
     # exactly seq_len tokens is not "more than": skipped, and token ranges still count it

@@ -183,6 +183,8 @@ def test_per_layer_settings_and_plans(tmp_path):
         (dict(rho={0: 0.5, 1: float("nan")}), ValueError, r"rho\[1\]: expected a finite float, got nan"),
         (dict(plan={"layers": {}}, S=3), ValueError, r"S: a plan sets it per layer; got S=3 as well"),
         (dict(plan="/nonexistent.json"), FileNotFoundError, r"plan: no plan file at '/nonexistent.json'"),
+        (dict(plan={"layers": {"0": {"policy": "sere", "k": 2}}}), ValueError,
+         r"plan\[0\]: expected keys policy, S and rho, got \['k', 'policy'\]"),
     ],
 )
 def test_bad_policy_settings(kwargs, exc, message):
