@@ -198,7 +198,7 @@ def run(args) -> dict:
                                 sere_fx.transform(holder, {0: sim} if kw["policy"] == "sere" else None,
                                                   max_tokens=None, **kw)
                             with torch.no_grad():
-                                t = time_fn(lambda: block(h), repeats=args.repeats, warmup=2)
+                                t = time_fn(lambda b=block: b(h), repeats=args.repeats, warmup=2)
                             op_us = None
                             if kw is not None and kw["policy"] == "sere":
                                 with torch.no_grad():
