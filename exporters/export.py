@@ -139,7 +139,7 @@ def read_settings(path: str | os.PathLike) -> dict:
 
     with zipfile.ZipFile(path) as z:
         for name in z.namelist():
-            if name.endswith("/extra/" + SETTINGS_KEY) or name.endswith("extra/" + SETTINGS_KEY):
+            if name.endswith("extra/" + SETTINGS_KEY):
                 return json.loads(z.read(name))
     loader = torch._inductor.aoti_load_package(path)
     return json.loads(loader.get_metadata()[SETTINGS_KEY])

@@ -185,28 +185,23 @@ def run(args) -> dict:
                                 continue
                             if kw is not None:
                                 sere_fx.transform(holder, {0: sim} if kw["policy"] == "sere" else None,
-                                                  max_tokens=None, stats=True, **kw)
-                            else:
-                                sere_fx.transform(holder, {0: sim}, S=spec["top_k"], rho=0.0, max_tokens=None,
-                                                  stats=True)  # S = K: identity, with statistics
-                            with torch.no_grad():
-                                block(h)
-                            st = sere_fx.routing_stats(holder)[0]
-                            distinct = st.distinct_after / st.calls
-                            sere_fx.restore(holder)
-                            if kw is not None:
-                                sere_fx.transform(holder, {0: sim} if kw["policy"] == "sere" else None,
                                                   max_tokens=None, **kw)
-                            with torch.no_grad():
-                                t = time_fn(lambda b=block: b(h), repeats=args.repeats, warmup=2)
-                            op_us = None
-                            if kw is not None and kw["policy"] == "sere":
+                            try:
                                 with torch.no_grad():
-                                    ids = block.gate(h.reshape(-1, spec["hidden"]))[2]
-                                op = time_fn(lambda: torch.ops.sere.reroute(ids, sim, kw["S"], kw["rho"]), repeats=50)
-                                op_us = op.median_s * 1e6
-                            if kw is not None:
-                                sere_fx.restore(holder)
+                                    # the router's indices output is what the experts receive
+                                    flat = h.reshape(-1, spec["hidden"])
+                                    distinct = float(block.gate(flat)[2].unique().numel())
+                                    t = time_fn(lambda b=block: b(h), repeats=args.repeats, warmup=2)
+                                    op_us = None
+                                    if kw is not None and kw["policy"] == "sere":
+                                        with sere_fx.bypass():
+                                            ids = block.gate(flat)[2]  # the op's real input
+                                        op = time_fn(lambda: torch.ops.sere.reroute(ids, sim, kw["S"], kw["rho"]),
+                                                     repeats=50)
+                                        op_us = op.median_s * 1e6
+                            finally:
+                                if kw is not None:
+                                    sere_fx.restore(holder)
                             if base_t is None:
                                 base_t, base_distinct = t, distinct
                             nbytes = distinct * expert_bytes(spec, dtype)

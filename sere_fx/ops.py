@@ -25,11 +25,22 @@ from torch.library import triton_op, wrap_triton
 
 from sere_fx.kernels import reroute_triton
 
-__all__ = ["reroute", "reroute_aten", "remap_table", "decompositions", "use_triton"]
+__all__ = ["reroute", "reroute_aten", "primary_mask", "remap_table", "decompositions", "use_triton"]
 
 
-def remap_table(primary: torch.Tensor, similarity: torch.Tensor, rho: float) -> torch.Tensor:
-    """``table[e]`` for a boolean primary mask ``[E]`` and a similarity ``[E, E]`` (int64 ``[E]``)."""
+def primary_mask(ranked_ids: torch.Tensor, S: int, num_experts: int) -> torch.Tensor:
+    """Boolean ``[E]``: experts among any token's first ``S`` slots."""
+    primary = torch.zeros(num_experts, dtype=torch.bool, device=ranked_ids.device)
+    return primary.index_fill(0, ranked_ids[:, :S].reshape(-1), True)
+
+
+def remap_table(primary: torch.Tensor, similarity: torch.Tensor, rho: float,
+                choice: torch.Tensor | None = None) -> torch.Tensor:
+    """``table[e]`` for a boolean primary mask ``[E]`` and a similarity ``[E, E]`` (int64 ``[E]``).
+
+    Critical experts are decided by the best primary match; a re-routed expert goes to that
+    best match, or to ``choice[e]`` when given (the ablation policies pick other targets).
+    """
     sim = similarity.to(torch.float32)
     num_experts = sim.shape[0]
     masked = sim.masked_fill(~primary.unsqueeze(0), float("-inf"))
@@ -39,7 +50,7 @@ def remap_table(primary: torch.Tensor, similarity: torch.Tensor, rho: float) -> 
     keep = primary
     if rho > 0:
         keep = keep | (best_sim < torch.tensor(rho, dtype=torch.float32, device=sim.device))
-    return torch.where(keep, experts, best)
+    return torch.where(keep, experts, best if choice is None else choice)
 
 
 def reroute_aten(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float) -> torch.Tensor:
@@ -47,10 +58,7 @@ def reroute_aten(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: 
     _check_args(topk_ids, similarity, S)
     if S >= topk_ids.shape[1] or topk_ids.shape[0] == 0:
         return topk_ids.clone()
-    num_experts = similarity.shape[0]
-    primary = torch.zeros(num_experts, dtype=torch.bool, device=topk_ids.device)
-    primary = primary.index_fill(0, topk_ids[:, :S].reshape(-1), True)
-    table = remap_table(primary, similarity, rho)
+    table = remap_table(primary_mask(topk_ids, S, similarity.shape[0]), similarity, rho)
     return table[topk_ids]
 
 

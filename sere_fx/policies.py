@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from sere_fx.ops import primary_mask, remap_table
+
 INDEX_POLICIES = ("sere", "least_similar", "random")  # need a similarity matrix; take rho
 TOPK_POLICIES = ("topk", "oea")
 POLICIES = INDEX_POLICIES + TOPK_POLICIES
@@ -63,8 +65,7 @@ def ablation_reroute(ranked: torch.Tensor, similarity: torch.Tensor, S: int, rho
         return ranked.clone()
     sim = similarity.to(torch.float32)
     e = sim.shape[0]
-    primary = torch.zeros(e, dtype=torch.bool, device=ranked.device).index_fill(0, ranked[:, :S].reshape(-1), True)
-    best_sim = sim.masked_fill(~primary, float("-inf")).max(dim=1).values
+    primary = primary_mask(ranked, S, e)
     if target == "least_similar":
         choice = sim.masked_fill(~primary, float("inf")).argmin(dim=1)
     elif target == "random":
@@ -72,11 +73,7 @@ def ablation_reroute(ranked: torch.Tensor, similarity: torch.Tensor, S: int, rho
         choice = noise.masked_fill(~primary, -1.0).argmax(dim=1)
     else:
         raise ValueError(f"target: expected 'least_similar' or 'random', got {target!r}")
-    keep = primary
-    if rho > 0:
-        keep = keep | (best_sim < torch.tensor(rho, dtype=torch.float32, device=sim.device))
-    table = torch.where(keep, torch.arange(e, device=sim.device), choice)
-    return table[ranked]
+    return remap_table(primary, sim, rho, choice)[ranked]
 
 
 def remap_ids(

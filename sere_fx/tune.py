@@ -154,11 +154,12 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float = 0.02
             if isinstance(rho, Quantile):
                 rho = rho.resolve(matrices[layer.index])
             jobs.append((layer.index, LayerPlan(policy, S, rho)))
+    uniform = _uniform_plans(jobs, layers)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(jobs) + len(_uniform_plans(jobs, layers)) + verify_rounds, desc="tune", unit="pass")
+        bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass")
     for index, lp in jobs:
         s = run({**untouched, index: lp})
         options[index].append(Probe(index, lp, _loss(base, s, metric), s.distinct[index]))
@@ -166,7 +167,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float = 0.02
             bar.update(1)
     best = (untouched, 0.0, base)  # the untouched model is always within budget
     tried = {}
-    for plan in _uniform_plans(jobs, layers):
+    for plan in uniform:
         s = tried[tuple(sorted(plan.items()))] = run(plan)
         loss = _loss(base, s, metric)
         if loss <= max_loss and s.mean_distinct < best[2].mean_distinct:
