@@ -50,17 +50,18 @@ def decode_step_timing(model: nn.Module, batch: torch.Tensor, *, context: int = 
     Each repeat prefills ``context`` tokens (bypassing re-routing, untimed) and times
     ``steps`` decode steps; the figure is per step.
     """
-    from sere_fx.evaluate import _cache_argument, _cache_of
-    from sere_fx.policies import bypass
+    from sere_fx.evaluate import CachedDecode
 
-    cache_arg = _cache_argument(model)
+    if batch.shape[1] < context + steps:
+        raise ValueError(f"batch: expected at least context + steps = {context + steps} tokens per sequence, "
+                         f"got {batch.shape[1]}")
+    decoder = CachedDecode(model)
 
     def one() -> float:
-        with bypass():
-            out = model(input_ids=batch[:, :context], use_cache=True)
+        decoder.prefill(batch[:, :context])
         start = time.perf_counter()
         for t in range(context, context + steps):
-            out = model(input_ids=batch[:, t : t + 1], use_cache=True, **{cache_arg: _cache_of(out)})
+            decoder.step(batch[:, t : t + 1])
         return (time.perf_counter() - start) / steps
 
     one()  # warm-up

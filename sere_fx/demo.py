@@ -45,7 +45,7 @@ def run(out_dir: str = "sere-demo", *, num_eval_seqs: int = 64, steps: int = 64,
     paths = report.save(out_dir)
 
     print("[3/4] timing decode steps, baseline vs SERE S=2 rho=0 ...", flush=True)
-    batch = windows[:batch_size, :32]
+    batch = token_windows(tokenizer, docs, 32, batch_size, token_range=(CALIBRATION_TOKENS, None))
     base_t = decode_step_timing(model, batch)
     sere_fx.transform(model, sim, S=2, rho=0.0)
     sere_t = decode_step_timing(model, batch)

@@ -109,16 +109,29 @@ def _expert_ids(args) -> torch.Tensor:
     raise RuntimeError("evaluate: an experts module was called without integer expert indices")
 
 
-def _cache_argument(model: nn.Module) -> str:
-    # transformers renamed ``past_key_values`` to ``cache`` (5.2x); accept both generations.
-    import inspect
+class CachedDecode:
+    """Batched decode with a KV cache: ``prefill`` (the model's own routing, under
+    ``bypass``), then ``step`` one token per sequence at a time."""
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    def __init__(self, model: nn.Module):
+        import inspect
 
+        self.model = model
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); accept both generations.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._out = None
 
-def _cache_of(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
+    def prefill(self, tokens: torch.Tensor) -> None:
+        with bypass():
+            self._out = self.model(input_ids=tokens, use_cache=True)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens [B, 1]``; returns the next-token logits ``[B, V]``."""
+        cache = getattr(self._out, "cache", None)
+        cache = cache if cache is not None else self._out.past_key_values
+        self._out = self.model(input_ids=tokens, use_cache=True, **{self._cache_arg: cache})
+        return self._out.logits[:, -1]
 
 
 @torch.no_grad()
@@ -143,7 +156,7 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
 
     handles = [layer.experts.register_forward_pre_hook(make_hook(layer.index)) for layer in layers]
     device = next(model.parameters()).device
-    cache_arg = _cache_argument(model)
+    decoder = CachedDecode(model)
     correct = np.zeros(n, dtype=np.int64)
     nll = np.zeros(n, dtype=np.float64)
     bar = None
@@ -155,12 +168,10 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
         for start in range(0, n, batch_size):
             batch = windows[start : start + batch_size].to(device)
             state["decoding"] = False
-            with bypass():
-                out = model(input_ids=batch[:, :prefill], use_cache=True)
+            decoder.prefill(batch[:, :prefill])
             state["decoding"] = True
             for t in range(prefill, length - 1):
-                out = model(input_ids=batch[:, t : t + 1], use_cache=True, **{cache_arg: _cache_of(out)})
-                logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+                logp = torch.log_softmax(decoder.step(batch[:, t : t + 1]).float(), dim=-1)
                 target = batch[:, t + 1]
                 nll[start : start + batch.shape[0]] -= logp.gather(1, target[:, None]).squeeze(1).double().cpu().numpy()
                 correct[start : start + batch.shape[0]] += (logp.argmax(-1) == target).cpu().numpy()
