@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from sere_fx.passes.matcher import RoutingMatchError, find_routing_sites, op_kind
+from sere_fx.passes.matcher import RoutingMatchError, find_routing_sites, node_shape, op_kind
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
-from sere_fx.plan import build_plan, load_plan
+from sere_fx.plan import build_plan, plan_settings
 from sere_fx.policies import INDEX_POLICIES
 from sere_fx.similarity import as_similarity
 from sere_fx.transform import DEFAULT_MAX_TOKENS
@@ -59,10 +59,7 @@ class SereBackend:
                  inner=_inductor):
         self.sim = as_similarity(sim) if sim is not None else None
         if plan is not None:
-            plan = load_plan(plan)
-            policy = {i: lp.policy for i, lp in plan.items()}
-            S = {i: lp.S for i, lp in plan.items()}
-            rho = {i: lp.rho for i, lp in plan.items()}
+            policy, S, rho = plan_settings(plan, policy, S, rho)
         self.policy, self.S, self.rho, self.max_tokens = policy, S, rho, max_tokens
         self.inner = inner
         self.sites_rewritten = 0
@@ -130,8 +127,6 @@ def _restrict(value, found):
 
 
 def _n_experts(node: fx.Node):
-    from sere_fx.passes.matcher import node_shape
-
     shape = node_shape(node.args[0]) if node.args else None
     return shape[-1] if shape else None
 

@@ -119,3 +119,17 @@ def load_plan(plan) -> dict[int, LayerPlan]:
             raise ValueError(f"plan[{k}].rho: expected a finite float, got {v.rho}")
         out[int(k)] = v
     return out
+
+
+def plan_settings(plan, policy="sere", S=2, rho=None) -> tuple[dict, dict, dict]:
+    """A plan (anything ``load_plan`` takes) as per-layer ``policy``, ``S``, ``rho`` mappings.
+
+    ``policy``, ``S`` and ``rho`` are what the caller was given besides the plan: anything
+    but their defaults would be overridden, so it is an error rather than ignored.
+    """
+    for name, value, default in (("policy", policy, "sere"), ("S", S, 2), ("rho", rho, None)):
+        if value != default:
+            raise ValueError(f"{name}: a plan sets it per layer; got {name}={value!r} as well")
+    layers = load_plan(plan)
+    return ({i: lp.policy for i, lp in layers.items()}, {i: lp.S for i, lp in layers.items()},
+            {i: lp.rho for i, lp in layers.items()})

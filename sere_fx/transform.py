@@ -20,7 +20,7 @@ from torch import nn
 from sere_fx.discovery import check_identity, find_moe_layers
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
 from sere_fx.passes.trace import graph_forward
-from sere_fx.plan import LayerPlan, build_plan, load_plan
+from sere_fx.plan import LayerPlan, build_plan, plan_settings
 from sere_fx.policies import INDEX_POLICIES
 from sere_fx.similarity import as_similarity, resolve
 from sere_fx.stats import LayerStats
@@ -114,13 +114,7 @@ def transform(
         raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
     layers = find_moe_layers(model)
     if plan is not None:
-        for name, value, default in (("policy", policy, "sere"), ("S", S, 2), ("rho", rho, None)):
-            if value != default:
-                raise ValueError(f"{name}: a plan sets it per layer; got {name}={value!r} as well")
-        given = load_plan(plan)
-        policy = {i: lp.policy for i, lp in given.items()}
-        S = {i: lp.S for i, lp in given.items()}
-        rho = {i: lp.rho for i, lp in given.items()}
+        policy, S, rho = plan_settings(plan, policy, S, rho)
     needs_sim = any(
         (policy.get(layer.index) if isinstance(policy, dict) else policy) in INDEX_POLICIES for layer in layers
     )

@@ -106,3 +106,8 @@ def test_backend_with_a_policy_that_needs_no_similarity(family):
         torch.testing.assert_close(compiled(ids, use_cache=False).logits, ref(ids, use_cache=False).logits,
                                    atol=1e-4, rtol=0)
     assert backend.sites_rewritten == len(find_moe_layers(model))
+
+
+def test_backend_refuses_settings_beside_a_plan():
+    with pytest.raises(ValueError, match=r"S: a plan sets it per layer; got S=3 as well"):
+        SereBackend(None, S=3, plan={"layers": {"0": {"policy": "oea", "S": 1, "rho": None}}})
