@@ -1,6 +1,6 @@
 """The re-routing op: ``torch.ops.sere.reroute(topk_ids, similarity, S, rho)``.
 
-Semantics, for ``topk_ids [T, K]`` whose slot order is rank order (slot 0 = best):
+Semantics, for ``topk_ids [T, K]`` (int64 or int32) whose slot order is rank order (slot 0 = best):
 
 1. primary set P = union over all T tokens of ``topk_ids[:, :S]``;
 2. every slot s >= S whose expert e is not in P is re-routed to
@@ -8,6 +8,12 @@ Semantics, for ``topk_ids [T, K]`` whose slot order is rank order (slot 0 = best
 3. unless ``rho > 0`` and ``similarity[e, b] < rho``: then e is *critical* and kept.
 
 ``S >= K`` is the identity. The input is never mutated, router weights are never touched.
+
+Two optional arguments serve engines whose top-k is unsorted and whose batches mix phases:
+``rank_values [T, K]`` ranks each token's slots (descending, ties to the lower slot) instead of
+their order, and ``valid_rows [T]`` (bool) limits both the primary set and the re-routing to
+those rows; other rows come back unchanged. Slots keep their places either way: slots ranked
+below S hold primary experts, which the table maps to themselves, so no permutation is needed.
 
 Every implementation here builds the same per-batch *remap table* ``table[e]``
 (``e`` for primary and critical experts, ``b`` otherwise) and returns ``table[topk_ids]``.
@@ -25,13 +31,25 @@ from torch.library import triton_op, wrap_triton
 
 from sere_fx.kernels import reroute_triton
 
-__all__ = ["reroute", "reroute_aten", "primary_mask", "remap_table", "decompositions", "use_triton"]
+__all__ = ["reroute", "reroute_aten", "primary_mask", "remap_table", "apply_table", "decompositions", "use_triton"]
 
 
-def primary_mask(ranked_ids: torch.Tensor, S: int, num_experts: int) -> torch.Tensor:
-    """Boolean ``[E]``: experts among any token's first ``S`` slots."""
-    primary = torch.zeros(num_experts, dtype=torch.bool, device=ranked_ids.device)
-    return primary.index_fill(0, ranked_ids[:, :S].reshape(-1), True)
+def primary_mask(topk_ids: torch.Tensor, S: int, num_experts: int, rank_values: torch.Tensor | None = None,
+                 valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean ``[E]``: experts among the first ``S`` ranked slots of any valid token.
+
+    Slots are ranked by ``rank_values`` (descending, ties to the lower slot) when given, else
+    taken in their order. Rows where ``valid_rows`` is False do not contribute.
+    """
+    if rank_values is None:
+        top = topk_ids[:, :S]
+    else:
+        top = topk_ids.gather(1, rank_values.argsort(dim=1, descending=True, stable=True)[:, :S])
+    top = top.to(torch.int64)
+    if valid_rows is not None:  # invalid rows point at a scratch slot past the last expert
+        top = top.masked_fill(~valid_rows.unsqueeze(1), num_experts)
+    primary = torch.zeros(num_experts + 1, dtype=torch.bool, device=topk_ids.device)
+    return primary.index_fill(0, top.reshape(-1), True)[:num_experts]
 
 
 def remap_table(primary: torch.Tensor, similarity: torch.Tensor, rho: float,
@@ -49,24 +67,36 @@ def remap_table(primary: torch.Tensor, similarity: torch.Tensor, rho: float,
     experts = torch.arange(num_experts, device=sim.device)
     keep = primary
     if rho > 0:
-        keep = keep | (best_sim < torch.tensor(rho, dtype=torch.float32, device=sim.device))
+        # A Python scalar against a float32 tensor compares in float32, and it stays a scalar
+        # in exported graphs (a tensor built from it would not be functional).
+        keep = keep | (best_sim < rho)
     return torch.where(keep, experts, best if choice is None else choice)
 
 
-def reroute_aten(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float) -> torch.Tensor:
+def apply_table(table: torch.Tensor, topk_ids: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``table[topk_ids]`` in the ids' dtype; rows where ``valid_rows`` is False are left as they are."""
+    out = table[topk_ids.to(torch.int64)].to(topk_ids.dtype)
+    if valid_rows is not None:
+        out = torch.where(valid_rows.unsqueeze(1), out, topk_ids)
+    return out
+
+
+def reroute_aten(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
+                 rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The vectorised PyTorch implementation (any device); also the decomposition exporters use."""
-    _check_args(topk_ids, similarity, S)
+    _check_args(topk_ids, similarity, S, rank_values, valid_rows)
     if S >= topk_ids.shape[1] or topk_ids.shape[0] == 0:
         return topk_ids.clone()
-    table = remap_table(primary_mask(topk_ids, S, similarity.shape[0]), similarity, rho)
-    return table[topk_ids]
+    primary = primary_mask(topk_ids, S, similarity.shape[0], rank_values, valid_rows)
+    return apply_table(remap_table(primary, similarity, rho), topk_ids, valid_rows)
 
 
-def _check_args(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int) -> None:
+def _check_args(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rank_values=None, valid_rows=None) -> None:
     # Shape/dtype checks only: they cost nothing and are valid on fake tensors.
     torch._check(topk_ids.dim() == 2, lambda: f"topk_ids: expected a 2-D [T, K] tensor, got shape {tuple(topk_ids.shape)}")
     torch._check(
-        topk_ids.dtype == torch.int64, lambda: f"topk_ids: expected dtype torch.int64, got {topk_ids.dtype}"
+        topk_ids.dtype in (torch.int64, torch.int32),
+        lambda: f"topk_ids: expected dtype torch.int64 or torch.int32, got {topk_ids.dtype}",
     )
     torch._check(
         similarity.dim() == 2 and similarity.shape[0] == similarity.shape[1],
@@ -76,6 +106,17 @@ def _check_args(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int) -> Non
         similarity.dtype.is_floating_point, lambda: f"similarity: expected a floating dtype, got {similarity.dtype}"
     )
     torch._check(S >= 1, lambda: f"S: expected an integer >= 1, got {S}")
+    if rank_values is not None:
+        torch._check(
+            rank_values.shape == topk_ids.shape,
+            lambda: f"rank_values: expected shape {tuple(topk_ids.shape)} (as topk_ids), got {tuple(rank_values.shape)}",
+        )
+    if valid_rows is not None:
+        torch._check(
+            valid_rows.dim() == 1 and valid_rows.shape[0] == topk_ids.shape[0] and valid_rows.dtype == torch.bool,
+            lambda: f"valid_rows: expected a bool [{topk_ids.shape[0]}] tensor, got {valid_rows.dtype} "
+            f"{tuple(valid_rows.shape)}",
+        )
 
 
 _FORCE_TRITON = False
@@ -102,18 +143,19 @@ class use_triton:
 
 
 @triton_op("sere::reroute", mutates_args=())
-def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float) -> torch.Tensor:
-    """Re-route ``topk_ids [T, K]`` (rank-ordered) onto the batch's primary experts. See module doc."""
-    _check_args(topk_ids, similarity, S)
+def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
+            rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Re-route ``topk_ids [T, K]`` onto the batch's primary experts. See module doc."""
+    _check_args(topk_ids, similarity, S, rank_values, valid_rows)
     triton_ok = reroute_triton.AVAILABLE and (topk_ids.is_cuda or _FORCE_TRITON)
     if not triton_ok or S >= topk_ids.shape[1] or topk_ids.shape[0] == 0:
-        return reroute_aten(topk_ids, similarity, S, rho)
-    return reroute_triton.launch(wrap_triton, topk_ids, similarity, S, rho)
+        return reroute_aten(topk_ids, similarity, S, rho, rank_values, valid_rows)
+    return reroute_triton.launch(wrap_triton, topk_ids, similarity, S, rho, rank_values, valid_rows)
 
 
 @reroute.register_fake
-def _(topk_ids, similarity, S, rho):
-    _check_args(topk_ids, similarity, S)
+def _(topk_ids, similarity, S, rho, rank_values=None, valid_rows=None):
+    _check_args(topk_ids, similarity, S, rank_values, valid_rows)
     return torch.empty_like(topk_ids)
 
 

@@ -78,3 +78,18 @@ def oea_loop(scores, k: int, k0: int):
                 picks.append(e)
         chosen.append(picks)
     return chosen
+
+
+def reroute_rows_loop(topk_ids, topk_values, valid_rows, similarity, S: int, rho: float):
+    """``sere.reroute`` with ``rank_values`` and ``valid_rows``: only the valid rows form the
+    primary set and are re-routed (each slot put back in place); the other rows are copied."""
+    valid = [bool(v) for v in valid_rows.tolist()]
+    keep = [t for t, ok in enumerate(valid) if ok]
+    out = topk_ids.clone()
+    if not keep:
+        return out
+    index = torch.tensor(keep, dtype=torch.int64)
+    sub = reroute_unsorted_loop(topk_ids[index].to(torch.int64), topk_values[index], similarity, S, rho)
+    for i, t in enumerate(keep):
+        out[t] = sub[i].to(out.dtype)
+    return out

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sere_fx
-from reference import reroute_loop
+from reference import reroute_loop, reroute_rows_loop
 from sere_fx import ops
 from sere_fx.kernels import reroute_triton
 from sere_fx.policies import remap_ids
@@ -149,7 +149,7 @@ def test_decomposition_matches_op():
     "ids,sim,S,match",
     [
         (torch.zeros(4, dtype=torch.int64), torch.rand(4, 4), 1, "topk_ids: expected a 2-D"),
-        (torch.zeros(2, 2, dtype=torch.int32), torch.rand(4, 4), 1, "topk_ids: expected dtype torch.int64"),
+        (torch.zeros(2, 2, dtype=torch.int16), torch.rand(4, 4), 1, "topk_ids: expected dtype torch.int64 or torch.int32"),
         (torch.zeros(2, 2, dtype=torch.int64), torch.rand(4, 3), 1, "similarity: expected a square"),
         (torch.zeros(2, 2, dtype=torch.int64), torch.ones(4, 4, dtype=torch.int64), 1, "similarity: expected a floating"),
         (torch.zeros(2, 2, dtype=torch.int64), torch.rand(4, 4), 0, "S: expected an integer >= 1, got 0"),
@@ -184,3 +184,41 @@ def test_remap_ids_leaves_prefill_untouched():
 
 def test_public_api_exports():
     assert callable(sere_fx.transform) and sere_fx.DEFAULT_MAX_TOKENS == 256
+
+
+@st.composite
+def engine_cases(draw):
+    """Unsorted int32 slots with rank values (ties included) and a mask of valid rows."""
+    ids, sim, S, rho = draw(cases())
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    values = torch.round(torch.rand(ids.shape, generator=g) * draw(st.sampled_from([3, 1000])))
+    valid = torch.rand(ids.shape[0], generator=g) < draw(st.sampled_from([0.0, 0.5, 1.0]))
+    return ids.to(torch.int32), values, valid, sim, S, rho
+
+
+@settings(max_examples=150, deadline=None)
+@given(engine_cases())
+def test_rank_values_and_valid_rows_match_loop_reference(case):
+    ids, values, valid, sim, S, rho = case
+    out = reroute(ids, sim, S, rho, values, valid)
+    assert out.dtype == torch.int32 and out.shape == ids.shape
+    assert torch.equal(out, reroute_rows_loop(ids, values, valid, sim, S, rho))
+
+
+@needs_triton
+@settings(max_examples=60, deadline=None)
+@given(engine_cases())
+def test_triton_rank_values_and_valid_rows(case):
+    ids, values, valid, sim, S, rho = case
+    with ops.use_triton():
+        out = reroute(ids, sim, S, rho, values, valid)
+    assert torch.equal(out, reroute_rows_loop(ids, values, valid, sim, S, rho))
+
+
+def test_rank_values_and_valid_rows_are_checked():
+    ids = torch.zeros(4, 3, dtype=torch.int32)
+    sim = torch.eye(5)
+    with pytest.raises(RuntimeError, match=r"rank_values: expected shape \(4, 3\)"):
+        reroute(ids, sim, 1, 0.0, torch.zeros(4, 2), None)
+    with pytest.raises(RuntimeError, match=r"valid_rows: expected a bool \[4\] tensor"):
+        reroute(ids, sim, 1, 0.0, None, torch.ones(3, dtype=torch.bool))

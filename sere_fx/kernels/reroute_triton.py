@@ -4,10 +4,16 @@ One program does the whole batch: the work is O(E^2 + T*K) with E <= a few hundr
 T*K <= a few thousand at decode, so a single CTA is faster than any multi-launch scheme
 (the launch itself dominates). Three phases:
 
-1. primary mask over experts, from ``topk_ids[:, :S]`` (compare-and-reduce, no atomics);
+1. primary mask over experts, from each valid token's first S slots, or, with rank values,
+   its S best-ranked slots (a slot's rank = slots with a larger value, or an equal value at
+   a lower slot; compare-and-reduce, no atomics, no sort);
 2. per expert row of the similarity matrix: best primary (ties: lowest index, like
    ``torch.argmax``), critical test against rho in float32, written to a remap table;
-3. ``out = table[topk_ids]`` for every slot (slots < S are primary, hence fixed points).
+3. ``out = table[topk_ids]`` for every slot of every valid row (primary slots are fixed
+   points); invalid rows are copied.
+
+Everything stays on the device with static launch shapes (no host sync), so the launch can
+be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ if AVAILABLE:
     def _reroute_kernel(
         ids_ptr,
         sim_ptr,
+        rank_ptr,
+        valid_ptr,
         table_ptr,
         out_ptr,
         T,
@@ -37,19 +45,33 @@ if AVAILABLE:
         S,
         rho,
         HAS_RHO: tl.constexpr,
+        HAS_RANK: tl.constexpr,
+        HAS_VALID: tl.constexpr,
         BLOCK_T: tl.constexpr,
+        BLOCK_K: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         cols = tl.arange(0, BLOCK_E)
+        slots = tl.arange(0, BLOCK_K)
 
-        # Phase 1: primary[e] = 1 if any token has e among its first S slots.
+        # Phase 1: primary[e] = 1 if a valid token has e among its S best-ranked slots.
         primary = tl.zeros([BLOCK_E], dtype=tl.int32)
         for t0 in range(0, T, BLOCK_T):
             toks = t0 + tl.arange(0, BLOCK_T)
-            for s in range(0, S):
-                e = tl.load(ids_ptr + toks * K + s, mask=toks < T, other=-1)
+            row_ok = toks < T
+            if HAS_VALID:
+                row_ok = row_ok & (tl.load(valid_ptr + toks, mask=toks < T, other=0) != 0)
+            if HAS_RANK:
+                inside = row_ok[:, None] & (slots[None, :] < K)
+                vals = tl.load(rank_ptr + toks[:, None] * K + slots[None, :], mask=inside, other=0.0).to(tl.float32)
+            for s in range(0, K if HAS_RANK else S):
+                e = tl.load(ids_ptr + toks * K + s, mask=row_ok, other=-1).to(tl.int32)
+                if HAS_RANK:
+                    v = tl.load(rank_ptr + toks * K + s, mask=row_ok, other=0.0).to(tl.float32)
+                    ahead = ((vals > v[:, None]) | ((vals == v[:, None]) & (slots[None, :] < s))) & inside
+                    e = tl.where(tl.sum(ahead.to(tl.int32), axis=1) < S, e, -1)
                 hit = (e[:, None] == cols[None, :]).to(tl.int32)
                 primary = tl.maximum(primary, tl.max(hit, axis=0))
 
@@ -72,15 +94,20 @@ if AVAILABLE:
         # The table was written by other threads of this program: make it visible.
         tl.debug_barrier()
 
-        # Phase 3: out = table[ids].
+        # Phase 3: out = table[ids] on valid rows, ids elsewhere.
         n = T * K
         for i0 in range(0, n, BLOCK_N):
             offs = i0 + tl.arange(0, BLOCK_N)
             e = tl.load(ids_ptr + offs, mask=offs < n, other=0)
-            tl.store(out_ptr + offs, tl.load(table_ptr + e, mask=offs < n, other=0), mask=offs < n)
+            new = tl.load(table_ptr + e, mask=offs < n, other=0).to(e.dtype)
+            if HAS_VALID:
+                ok = tl.load(valid_ptr + offs // K, mask=offs < n, other=0) != 0
+                new = tl.where(ok, new, e)
+            tl.store(out_ptr + offs, new, mask=offs < n)
 
 
-def launch(wrap, topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float) -> torch.Tensor:
+def launch(wrap, topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
+           rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel; ``wrap`` is ``torch.library.wrap_triton`` (or identity for direct calls)."""
     if not AVAILABLE:
         raise RuntimeError("sere_fx.kernels.reroute_triton: triton is not installed")
@@ -90,10 +117,15 @@ def launch(wrap, topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: 
     num_experts = sim.shape[0]
     table = torch.empty(num_experts, dtype=torch.int64, device=ids.device)
     out = torch.empty_like(ids)
+    # Unused pointers get any tensor of the device: the kernel never reads them.
+    rank = ids if rank_values is None else rank_values.contiguous()
+    valid = ids if valid_rows is None else valid_rows.contiguous().view(torch.uint8)
     block_e = max(16, triton.next_power_of_2(num_experts))
     wrap(_reroute_kernel)[(1,)](
         ids,
         sim,
+        rank,
+        valid,
         table,
         out,
         num_tokens,
@@ -102,7 +134,10 @@ def launch(wrap, topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: 
         S,
         float(rho),
         HAS_RHO=rho > 0,
+        HAS_RANK=rank_values is not None,
+        HAS_VALID=valid_rows is not None,
         BLOCK_T=32,
+        BLOCK_K=max(2, triton.next_power_of_2(k)),
         BLOCK_E=block_e,
         BLOCK_R=max(1, min(32, 4096 // block_e)),
         BLOCK_N=256,
