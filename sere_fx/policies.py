@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from sere_fx.ops import primary_mask, remap_table
+from sere_fx.ops import apply_table, primary_mask, remap_table
 
 INDEX_POLICIES = ("sere", "least_similar", "random")  # need a similarity matrix; take rho
 TOPK_POLICIES = ("topk", "oea")
@@ -59,21 +59,26 @@ def _leave_alone(tokens: int, max_tokens: int | None, stats) -> bool:
 
 
 def ablation_reroute(ranked: torch.Tensor, similarity: torch.Tensor, S: int, rho: float, target: str,
-                     generator: torch.Generator | None = None) -> torch.Tensor:
-    """``least_similar`` / ``random`` re-routing of rank-ordered ids ``[T, K]`` (see module doc)."""
+                     generator: torch.Generator | None = None, rank_values: torch.Tensor | None = None,
+                     valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``least_similar`` / ``random`` re-routing of ids ``[T, K]`` (see module doc).
+
+    ``rank_values`` / ``valid_rows`` as for ``sere.reroute``: without them the slots are in
+    rank order and every row counts.
+    """
     if S >= ranked.shape[1] or ranked.shape[0] == 0:
         return ranked.clone()
     sim = similarity.to(torch.float32)
     e = sim.shape[0]
-    primary = primary_mask(ranked, S, e)
+    primary = primary_mask(ranked, S, e, rank_values, valid_rows)
     if target == "least_similar":
         choice = sim.masked_fill(~primary, float("inf")).argmin(dim=1)
     elif target == "random":
-        noise = torch.rand(e, e, generator=generator).to(sim.device)
-        choice = noise.masked_fill(~primary, -1.0).argmax(dim=1)
+        noise = torch.rand(e, e, generator=generator, device=sim.device if generator is None else generator.device)
+        choice = noise.to(sim.device).masked_fill(~primary, -1.0).argmax(dim=1)
     else:
         raise ValueError(f"target: expected 'least_similar' or 'random', got {target!r}")
-    return remap_table(primary, sim, rho, choice)[ranked]
+    return apply_table(remap_table(primary, sim, rho, choice), ranked, valid_rows)
 
 
 def remap_ids(
@@ -116,17 +121,40 @@ def remap_ids(
     return out.to(topk_ids.dtype).reshape(topk_ids.shape)
 
 
-def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float):
-    """OEA on flat scores ``[T, E]``: returns (values, ids), each ``[T, k]``, rank-ordered."""
+def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows: torch.Tensor | None = None):
+    """OEA on flat scores ``[T, E]``: returns (values, ids, own), each ``[T, k]``, rank-ordered.
+
+    ``own`` is every token's own top-k. With ``valid_rows`` (bool ``[T]``) only those rows form
+    the loaded set and are re-selected; the other rows get their own top-k.
+    """
     own = torch.topk(scores, k, dim=-1).indices
-    loaded = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
-    loaded = loaded.index_fill(0, own[:, :k0].reshape(-1), True)
-    masked = scores.masked_fill(~loaded, neutral)
+    seed = own[:, :k0]
+    if valid_rows is not None:  # invalid rows point at a scratch slot past the last expert
+        seed = seed.masked_fill(~valid_rows.unsqueeze(1), scores.shape[-1])
+    loaded = torch.zeros(scores.shape[-1] + 1, dtype=torch.bool, device=scores.device)
+    loaded = loaded.index_fill(0, seed.reshape(-1), True)[:-1]
+    allowed = loaded.unsqueeze(0) if valid_rows is None else loaded.unsqueeze(0) | ~valid_rows.unsqueeze(1)
+    masked = scores.masked_fill(~allowed, neutral)
     values, ids = torch.topk(masked, k, dim=-1)
-    filled = loaded[ids]
+    filled = loaded[ids] if valid_rows is None else loaded[ids] | ~valid_rows.unsqueeze(1)
     ids = torch.where(filled, ids, ids[:, :1])
     values = values.masked_fill(~filled, neutral)
     return values, ids, own
+
+
+def keep_top_s(scores: torch.Tensor, k: int, S: int, neutral: float, valid_rows: torch.Tensor | None = None):
+    """The ``topk`` rule for engines whose kernels take exactly ``k`` slots per token.
+
+    Each (valid) token keeps its top-S; its other ``k - S`` slots repeat its first expert with
+    the neutral score, so they get weight 0 and load nothing. Returns (values, ids, own) as
+    ``oea_select`` does.
+    """
+    values, own = torch.topk(scores, k, dim=-1)
+    dropped = torch.arange(k, device=scores.device).unsqueeze(0) >= S
+    if valid_rows is not None:
+        dropped = dropped & valid_rows.unsqueeze(1)
+    ids = torch.where(dropped, own[:, :1], own)
+    return values.masked_fill(dropped, neutral), ids, own
 
 
 def select_topk(

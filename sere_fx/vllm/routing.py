@@ -1,0 +1,153 @@
+"""One MoE layer's routing step inside vLLM: the engine's router output in, the policy's out.
+
+vLLM routes every MoE family through ``BaseRouter._compute_routing`` (logical expert ids,
+before EPLB's logical-to-physical map). ``install`` swaps a router's class for a subclass
+whose ``_compute_routing`` calls the original and hands ``(weights, ids)`` to a
+``LayerRouting``, which applies the layer's policy with the project's own op and rules:
+
+- index policies (``sere``, ``least_similar``, ``random``) re-route ids with
+  ``torch.ops.sere.reroute`` / ``policies.ablation_reroute``; weights stay the router's.
+  vLLM's top-k is unsorted, so slots are ranked by the router's *selection* score: the
+  returned weight where it is monotone in it, the biased score for biased routers.
+- top-k policies (``oea``, ``topk``) choose slots with ``policies.oea_select`` /
+  ``policies.keep_top_s`` over the router's selection scores; the weights then come from
+  the router's own probabilities for the chosen experts (0 for unfilled slots), normalised
+  and scaled as that router does.
+
+Rows that are not decode rows (``decode_only``) or are padding keep the router's output.
+Every step is tensor ops or opaque custom ops, so it traces into vLLM's compiled graph
+without freezing a data-dependent decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sere_fx.plan import LayerPlan
+from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select
+
+
+@dataclass(frozen=True)
+class RouterScores:
+    """How one vLLM router scores experts: enough to rank slots and to recompute its weights."""
+
+    router: str  # class name, for messages
+    scoring_func: str | None  # "softmax" / "sigmoid"; None: not reproducible (custom routing)
+    renormalize: bool
+    bias: torch.Tensor | None  # e_score_correction_bias: steers selection, not weights
+    groups: tuple[int, int] | None  # (num_expert_group, topk_group) for grouped top-k
+    scale: float  # routed_scaling_factor the router applies to its weights
+    unsupported: str | None = None  # why top-k policies cannot reproduce this router
+
+    @classmethod
+    def of(cls, router) -> "RouterScores":
+        name = getattr(type(router), "_sere_base", type(router)).__name__
+        scoring = getattr(router, "scoring_func", "softmax")
+        renorm = bool(getattr(router, "renormalize", True))
+        bias = getattr(router, "e_score_correction_bias", None)
+        grouped = name == "GroupedTopKRouter" or bool(getattr(router, "use_grouped_topk", False))
+        groups = (router.num_expert_group, router.topk_group) if grouped else None
+        scale = float(getattr(router, "routed_scaling_factor", 1.0))
+        why = None
+        if getattr(router, "custom_routing_function", None) is not None:
+            why = "it uses a model-specific custom routing function"
+        elif getattr(router, "_hash_indices_table", None) is not None or scoring not in ("softmax", "sigmoid"):
+            why = f"its scoring function {scoring!r} is not softmax or sigmoid"
+        elif getattr(router, "num_fused_shared_experts", 0):
+            why = "it fuses shared experts into the routed slots"
+        if name == "CPURouter" and not grouped:
+            bias, scale = None, 1.0  # vLLM's CPU softmax top-k ignores both
+        elif name in ("FusedTopKRouter", "CustomRoutingRouter"):
+            bias, scale = None, 1.0
+        if why is None and name not in ("CPURouter", "FusedTopKRouter", "FusedTopKBiasRouter", "GroupedTopKRouter"):
+            why = f"sere-fx does not know how {name} computes its weights"
+        return cls(name, None if why else scoring, renorm, bias, groups, scale, why)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        return logits.softmax(dim=-1) if self.scoring_func == "softmax" else logits.sigmoid()
+
+    def selection(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` scores the router takes its top-k over (-inf outside the chosen groups)."""
+        scores = self.probabilities(logits)
+        if self.bias is not None:
+            scores = scores + self.bias.float().unsqueeze(0)
+        if self.groups is None:
+            return scores
+        n_group, top_group = self.groups
+        grouped = scores.view(scores.shape[0], n_group, -1)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1) if self.bias is not None else grouped.amax(-1)
+        chosen = torch.zeros_like(group_score, dtype=torch.bool)
+        chosen = chosen.scatter(1, group_score.topk(top_group, dim=-1).indices, True)
+        return scores.masked_fill(~chosen.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+
+    def weights(self, logits: torch.Tensor, ids: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+        """The router's weights for the experts ``ids [T, K]``; unfilled slots get 0."""
+        w = self.probabilities(logits).gather(1, ids.long()).masked_fill(~filled, 0.0)
+        if self.renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w * self.scale if self.scale != 1.0 else w
+
+
+class LayerRouting:
+    """The policy of one MoE layer, applied to its router's output (see module doc)."""
+
+    def __init__(self, layer: int, plan: LayerPlan, scores: RouterScores, similarity: torch.Tensor | None,
+                 num_experts: int, decode_only: bool, stats: bool):
+        self.layer = layer
+        self.num_experts = num_experts
+        self.plan = plan
+        self.scores = scores
+        self.similarity = similarity
+        self.decode_only = decode_only
+        self.stats = stats
+        self.rank_by_weight = scores.bias is None  # weights are monotone in the selection score
+
+    def __call__(self, router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        plan = self.plan
+        rows = torch.ops.sere.engine_rows(ids, self.decode_only)
+        if self.rank_by_weight:
+            rank = weights
+        else:
+            rank = self.scores.selection(router_logits).gather(1, ids.long())
+        if plan.policy in INDEX_POLICIES:
+            if plan.policy == "sere":
+                new_ids = torch.ops.sere.reroute(ids, self.similarity, plan.S, plan.rho, rank, rows)
+            else:
+                new_ids = ablation_reroute(ids, self.similarity, plan.S, plan.rho, plan.policy,
+                                           rank_values=rank, valid_rows=rows)
+            new_weights = weights
+        else:
+            select = oea_select if plan.policy == "oea" else keep_top_s
+            neutral = float("-inf")
+            values, chosen, _ = select(self.scores.selection(router_logits), ids.shape[1], plan.S, neutral, rows)
+            keep = rows.unsqueeze(1)
+            new_weights = torch.where(keep, self.scores.weights(router_logits, chosen, values != neutral), weights)
+            new_ids = torch.where(keep, chosen.to(ids.dtype), ids)
+        if self.stats:
+            new_ids = torch.ops.sere.record_routing(ids, new_ids, rank, rows, self.layer, plan.S)
+        return new_weights.to(weights.dtype), new_ids
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _routing_subclass(cls: type) -> type:
+    if cls not in _SUBCLASSES:
+
+        def _compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+            weights, ids = cls._compute_routing(self, hidden_states, router_logits, indices_type, input_ids=input_ids)
+            return self.sere_routing(router_logits, weights, ids)
+
+        _SUBCLASSES[cls] = type(f"Sere{cls.__name__}", (cls,), {"_compute_routing": _compute_routing,
+                                                                 "_sere_base": cls, "__module__": __name__})
+    return _SUBCLASSES[cls]
+
+
+def install(router, routing: LayerRouting) -> None:
+    """Make ``router`` apply ``routing`` after its own routing (idempotent per router)."""
+    base = getattr(type(router), "_sere_base", type(router))
+    router.sere_routing = routing
+    router.__class__ = _routing_subclass(base)

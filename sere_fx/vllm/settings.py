@@ -1,0 +1,153 @@
+"""The plugin's settings: ``additional_config["sere"]``, checked against the served model.
+
+Everything a user can get wrong fails engine start with one message that names the key
+(``additional_config["sere"]["S"]: ...``). Per-layer settings go through the same
+``sere_fx.plan.build_plan`` as ``transform``, and similarity files through the same
+``sere_fx.similarity.resolve``, so a setting means the same thing in both front-ends.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from sere_fx.plan import LayerPlan, Quantile, build_plan, plan_settings
+from sere_fx.policies import INDEX_POLICIES
+from sere_fx.similarity import Similarity, resolve
+
+SETTINGS_KEY = "sere"
+WHERE = f'additional_config["{SETTINGS_KEY}"]'
+_KEYS = ("sim", "S", "rho", "policy", "plan", "decode_only", "stats")
+
+
+class SettingsError(ValueError):
+    """A bad ``additional_config["sere"]``: the message names the key, the expected and the actual value."""
+
+
+@dataclass(frozen=True)
+class EngineLayer:
+    """One MoE layer as the engine built it (what ``build_plan`` and ``resolve`` need)."""
+
+    index: int  # decoder-layer index, as in similarity files and plans
+    name: str  # the engine's layer name, e.g. model.layers.3.mlp.experts
+    num_experts: int  # logical (global) experts
+    top_k: int
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    sim: str | None = None
+    S: object = 2
+    rho: object = None
+    policy: object = "sere"
+    plan: str | None = None
+    decode_only: bool = True
+    stats: bool = False
+    raw: dict = field(default_factory=dict, compare=False)
+
+
+def _key(name: str) -> str:
+    return f'{WHERE}["{name}"]'
+
+
+def _per_layer_keys(name: str, value):
+    """JSON objects have string keys: ``{"3": 2}`` means decoder layer 3."""
+    if not isinstance(value, Mapping):
+        return value
+    out = {}
+    for k, v in value.items():
+        if isinstance(k, int) and not isinstance(k, bool):
+            out[k] = v
+        elif isinstance(k, str) and k.strip().isdigit():
+            out[int(k)] = v
+        else:
+            raise SettingsError(f"{_key(name)}: expected decoder-layer indices as keys, got {k!r}")
+    return out
+
+
+def _rho(value):
+    """A number, ``{"quantile": q}``, a ``Quantile``, or a per-layer mapping of those."""
+    if isinstance(value, Mapping) and set(value) == {"quantile"}:
+        return Quantile(value["quantile"])
+    if isinstance(value, Mapping):
+        return {k: _rho(v) for k, v in _per_layer_keys("rho", value).items()}
+    return value
+
+
+def parse(raw) -> EngineSettings:
+    """Check the keys and types of ``additional_config["sere"]`` (model-independent checks)."""
+    if not isinstance(raw, Mapping):
+        raise SettingsError(f"{WHERE}: expected an object with keys {list(_KEYS)}, got {type(raw).__name__} {raw!r}")
+    unknown = sorted(set(raw) - set(_KEYS))
+    if unknown:
+        raise SettingsError(f"{WHERE}: unknown key {unknown[0]!r}; expected keys among {list(_KEYS)}")
+    for name in ("decode_only", "stats"):
+        if name in raw and not isinstance(raw[name], bool):
+            raise SettingsError(f"{_key(name)}: expected true or false, got {raw[name]!r}")
+    for name in ("sim", "plan"):
+        value = raw.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, (str, os.PathLike)):
+            raise SettingsError(f"{_key(name)}: expected a file path, got {value!r} ({type(value).__name__})")
+        if not os.path.isfile(value):
+            raise SettingsError(f"{_key(name)}: expected an existing file, got {os.fspath(value)!r} (not found)")
+    try:
+        rho = _rho(raw.get("rho"))
+    except ValueError as exc:
+        raise SettingsError(f"{_key('rho')}: {exc}") from None
+    return EngineSettings(
+        sim=raw.get("sim"),
+        S=_per_layer_keys("S", raw.get("S", 2)),
+        rho=rho,
+        policy=_per_layer_keys("policy", raw.get("policy", "sere")),
+        plan=raw.get("plan"),
+        decode_only=raw.get("decode_only", True),
+        stats=raw.get("stats", False),
+        raw=dict(raw),
+    )
+
+
+def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architecture: str | None):
+    """Per-layer plans and similarity matrices for the engine's MoE layers.
+
+    Returns ``({layer: LayerPlan}, {layer: float32 [E, E]} or None)``.
+    """
+    policy, S, rho = settings.policy, settings.S, settings.rho
+    try:
+        if settings.plan is not None:
+            policy, S, rho = plan_settings(settings.plan, policy, S, rho)
+    except (ValueError, TypeError) as exc:
+        raise SettingsError(f"{_key('plan')}: {exc}") from None
+    matrices = None
+    if settings.sim is not None:
+        try:
+            sim = Similarity.load(settings.sim)
+        except Exception as exc:  # a truncated or foreign file: safetensors' own error says why
+            raise SettingsError(f"{_key('sim')}: cannot read {settings.sim!r} as a similarity file ({exc})") from None
+        calibrated_on = sim.metadata.get("architecture")
+        if calibrated_on and architecture and calibrated_on != architecture:
+            raise SettingsError(
+                f"{_key('sim')}: calibrated on a {calibrated_on} model, but the engine serves {architecture}"
+            )
+        try:
+            matrices = resolve(sim, layers)
+        except (ValueError, TypeError) as exc:
+            raise SettingsError(f"{_key('sim')}: {exc}") from None
+    uses_sim = any((policy.get(layer.index) if isinstance(policy, Mapping) else policy) in INDEX_POLICIES
+                   for layer in layers)
+    if uses_sim and matrices is None:
+        raise SettingsError(f"{_key('sim')}: policy {policy!r} needs a similarity file from `sere-fx calibrate`, got none")
+    try:
+        plans: dict[int, LayerPlan] = build_plan(layers, policy, S, rho, matrices)
+    except (ValueError, TypeError) as exc:
+        name = str(exc).split(":", 1)[0].split("[", 1)[0]
+        raise SettingsError(f"{_key(name)}{str(exc)[len(name):]}" if name in _KEYS else f"{WHERE}: {exc}") from None
+    return plans, matrices
+
+
+def to_device(matrices, device) -> dict[int, torch.Tensor]:
+    return {i: m.to(device=device, dtype=torch.float32).contiguous() for i, m in (matrices or {}).items()}
