@@ -21,12 +21,13 @@ def register() -> None:
         return
     import functools
 
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.forward_context import ForwardContext
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.v1.worker.worker_base import WorkerBase
 
     from sere_fx.vllm import engine
-    from sere_fx.vllm.settings import SETTINGS_KEY
+    from sere_fx.vllm.settings import SETTINGS_KEY, parse
 
     load_model = BaseModelLoader.load_model
 
@@ -38,6 +39,18 @@ def register() -> None:
             engine.attach(model, vllm_config, extra[SETTINGS_KEY])
         return model
 
+    create_engine_config = EngineArgs.create_engine_config
+
+    @functools.wraps(create_engine_config)
+    def create_engine_config_checked(self, *args, **kwargs):
+        # Model-independent mistakes (keys, types, missing files) fail here, in the calling
+        # process, before any worker starts; the rest fails in the workers once the model is built.
+        config = create_engine_config(self, *args, **kwargs)
+        extra = config.additional_config
+        if isinstance(extra, dict) and extra.get(SETTINGS_KEY) is not None:
+            parse(extra[SETTINGS_KEY])
+        return config
+
     post_init = ForwardContext.__post_init__
 
     @functools.wraps(post_init)
@@ -47,6 +60,7 @@ def register() -> None:
             engine.ENGINE.refresh(self.attn_metadata)
 
     BaseModelLoader.load_model = load_model_with_sere
+    EngineArgs.create_engine_config = create_engine_config_checked
     ForwardContext.__post_init__ = post_init_with_rows
     WorkerBase.sere_routing_stats = engine.worker_stats
     WorkerBase.sere_reset_routing_stats = engine.reset_worker_stats
@@ -54,8 +68,10 @@ def register() -> None:
 
 
 def routing_stats(llm) -> dict[int, dict[str, float]]:
-    """Per MoE layer, means per decode step: ``{layer: {"decode_steps", "decode_rows", "distinct_before",
-    "distinct_after", "slots_rerouted", "critical_kept"}}`` (``decode_steps`` is the count).
+    """Per MoE layer, means per decode step: ``{layer: {"decode_steps", "decode_rows", "prefill_rows",
+    "distinct_before", "distinct_after", "slots_rerouted", "critical_kept"}}`` (``decode_steps`` is the
+    count of layer calls that had decode rows; ``prefill_rows`` counts rows of mixed batches that kept
+    the model's routing).
 
     Gathered from every worker; tensor-parallel ranks route the same tokens the same way, and
     a disagreement raises. Needs ``"stats": true`` in the settings.

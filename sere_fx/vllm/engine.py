@@ -16,19 +16,23 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from sere_fx.ops import primary_mask
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install
 from sere_fx.vllm.settings import WHERE, EngineLayer, SettingsError, parse, resolve_layers, to_device
 
-logger = logging.getLogger("sere_fx.vllm")
 
-# Statistic fields, summed on the device per layer (``decode_steps`` counts calls with at least
-# one decode row; the rest are sums over those calls).
-STAT_FIELDS = ("decode_steps", "decode_rows", "distinct_before", "distinct_after", "slots_rerouted", "critical_kept")
+def _logger():
+    from vllm.logger import init_logger  # under "vllm." so that vLLM's log settings apply
+
+    return init_logger("vllm.sere_fx")
+
+# Statistic fields, summed on the device per layer: ``decode_steps`` counts calls with at least
+# one re-routed row; the rest are sums over those calls (``prefill_rows``: real rows in them that
+# kept the model's routing, i.e. mixed batches).
+STAT_FIELDS = ("decode_steps", "decode_rows", "prefill_rows", "distinct_before", "distinct_after", "slots_rerouted",
+               "critical_kept")
 
 
 class _Engine:
@@ -83,7 +87,7 @@ def _query_start_loc(attn_metadata):
 
 _LIB = torch.library.Library("sere", "FRAGMENT")
 _LIB.define("engine_rows(Tensor topk_ids, bool decode_only) -> Tensor")
-_LIB.define("record_routing(Tensor before, Tensor after, Tensor rank_values, Tensor rows, int layer, int S) -> Tensor")
+_LIB.define("record_routing(Tensor before, Tensor after, Tensor rank_values, Tensor rows, int layer, int S, int num_experts) -> Tensor")
 
 
 def _engine_rows(topk_ids: torch.Tensor, decode_only: bool) -> torch.Tensor:
@@ -102,15 +106,16 @@ def _distinct(ids: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.
     return seen[:num_experts]
 
 
-def _record_routing(before, after, rank_values, rows, layer: int, S: int) -> torch.Tensor:
-    routing = ENGINE.layers[layer]
-    e = routing.num_experts
+def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int) -> torch.Tensor:
     seen_before, seen_after = _distinct(before, rows, e), _distinct(after, rows, e)
     primary = primary_mask(before, S, e, rank_values, rows)
     n_rows = rows.sum()
+    active = n_rows > 0
+    real = ENGINE.real[: rows.shape[0]] if ENGINE.real is not None else torch.ones_like(rows)
     values = torch.stack([
-        (n_rows > 0).double(),
+        active.double(),
         n_rows.double(),
+        ((real & ~rows).sum() * active).double(),
         seen_before.sum().double(),
         seen_after.sum().double(),
         ((before != after) & rows.unsqueeze(1)).sum().double(),
@@ -130,7 +135,7 @@ def _(topk_ids, decode_only):
 
 
 @torch.library.register_fake("sere::record_routing", lib=_LIB)
-def _(before, after, rank_values, rows, layer, S):
+def _(before, after, rank_values, rows, layer, S, num_experts):
     return torch.empty_like(after)
 
 
@@ -194,7 +199,7 @@ def attach(model, vllm_config, raw) -> dict[int, LayerRouting]:
     ENGINE.layers = installed
     summary = ", ".join(f"{i}: {p.policy} S={p.S}" + (f" rho={p.rho:.3g}" if p.rho is not None else "")
                         for i, p in sorted(plans.items()))
-    logger.info("sere-fx: re-routing %d of %d MoE layers (%s); decode_only=%s, stats=%s",
+    _logger().info("sere-fx: re-routing %d of %d MoE layers (%s); decode_only=%s, stats=%s",
                 len(installed), len(layers), summary, settings.decode_only, settings.stats)
     return installed
 

