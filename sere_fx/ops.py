@@ -29,9 +29,10 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-from sere_fx.kernels import reroute_triton
+from sere_fx.kernels import reroute_cpu, reroute_triton
 
-__all__ = ["reroute", "reroute_aten", "primary_mask", "remap_table", "apply_table", "decompositions", "use_triton"]
+__all__ = ["reroute", "reroute_aten", "reroute_kernel", "primary_mask", "remap_table", "apply_table", "decompositions",
+           "use_triton"]
 
 
 def primary_mask(topk_ids: torch.Tensor, S: int, num_experts: int, rank_values: torch.Tensor | None = None,
@@ -91,28 +92,36 @@ def reroute_aten(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: 
     return apply_table(remap_table(primary, similarity, rho), topk_ids, valid_rows)
 
 
+def _check(cond, message) -> None:
+    # Real tensors give plain bools: a Python test costs ~0.1 us where torch._check costs ~1.5 us
+    # (this runs in every MoE layer of every decode step). Symbolic sizes go to torch._check.
+    if isinstance(cond, bool):
+        if not cond:
+            raise RuntimeError(message())
+    else:
+        torch._check(cond, message)
+
+
 def _check_args(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rank_values=None, valid_rows=None) -> None:
     # Shape/dtype checks only: they cost nothing and are valid on fake tensors.
-    torch._check(topk_ids.dim() == 2, lambda: f"topk_ids: expected a 2-D [T, K] tensor, got shape {tuple(topk_ids.shape)}")
-    torch._check(
+    _check(topk_ids.dim() == 2, lambda: f"topk_ids: expected a 2-D [T, K] tensor, got shape {tuple(topk_ids.shape)}")
+    _check(
         topk_ids.dtype in (torch.int64, torch.int32),
         lambda: f"topk_ids: expected dtype torch.int64 or torch.int32, got {topk_ids.dtype}",
     )
-    torch._check(
+    _check(
         similarity.dim() == 2 and similarity.shape[0] == similarity.shape[1],
         lambda: f"similarity: expected a square [E, E] tensor, got shape {tuple(similarity.shape)}",
     )
-    torch._check(
-        similarity.dtype.is_floating_point, lambda: f"similarity: expected a floating dtype, got {similarity.dtype}"
-    )
-    torch._check(S >= 1, lambda: f"S: expected an integer >= 1, got {S}")
+    _check(similarity.dtype.is_floating_point, lambda: f"similarity: expected a floating dtype, got {similarity.dtype}")
+    _check(S >= 1, lambda: f"S: expected an integer >= 1, got {S}")
     if rank_values is not None:
-        torch._check(
+        _check(
             rank_values.shape == topk_ids.shape,
             lambda: f"rank_values: expected shape {tuple(topk_ids.shape)} (as topk_ids), got {tuple(rank_values.shape)}",
         )
     if valid_rows is not None:
-        torch._check(
+        _check(
             valid_rows.dim() == 1 and valid_rows.shape[0] == topk_ids.shape[0] and valid_rows.dtype == torch.bool,
             lambda: f"valid_rows: expected a bool [{topk_ids.shape[0]}] tensor, got {valid_rows.dtype} "
             f"{tuple(valid_rows.shape)}",
@@ -142,15 +151,36 @@ class use_triton:
         _FORCE_TRITON = self._prev
 
 
+def _eager_cpu(t: torch.Tensor) -> bool:
+    """A real CPU tensor outside any tracing (fake, functional and proxy tensors take the ATen path)."""
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
+def reroute_kernel(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
+                   rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
+                   wrap=lambda kernel: kernel) -> torch.Tensor:
+    """Run the op's rule with the fastest implementation for the tensors: the Triton kernel on CUDA
+    (``wrap`` is ``wrap_triton`` inside the registered op), the NumPy kernel on the CPU, else ATen."""
+    if S >= topk_ids.shape[1] or topk_ids.shape[0] == 0:
+        return topk_ids.clone()
+    if reroute_triton.AVAILABLE and (topk_ids.is_cuda or _FORCE_TRITON):
+        return reroute_triton.launch(wrap, topk_ids, similarity, S, rho, rank_values, valid_rows)
+    if _eager_cpu(topk_ids):
+        return reroute_cpu.reroute(topk_ids, similarity, S, rho, rank_values, valid_rows)
+    return reroute_aten(topk_ids, similarity, S, rho, rank_values, valid_rows)
+
+
 @triton_op("sere::reroute", mutates_args=())
 def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
             rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Re-route ``topk_ids [T, K]`` onto the batch's primary experts. See module doc."""
+    """Re-route ``topk_ids [T, K]`` onto the batch's primary experts. See module doc.
+
+    Compilers see through this op (``triton_op``): Inductor inlines its Triton kernel on CUDA
+    and its ATen implementation elsewhere; ``torch.export`` keeps it as one node.
+    """
     _check_args(topk_ids, similarity, S, rank_values, valid_rows)
-    triton_ok = reroute_triton.AVAILABLE and (topk_ids.is_cuda or _FORCE_TRITON)
-    if not triton_ok or S >= topk_ids.shape[1] or topk_ids.shape[0] == 0:
-        return reroute_aten(topk_ids, similarity, S, rho, rank_values, valid_rows)
-    return reroute_triton.launch(wrap_triton, topk_ids, similarity, S, rho, rank_values, valid_rows)
+    return reroute_kernel(topk_ids, similarity, S, rho, rank_values, valid_rows, wrap_triton)
 
 
 @reroute.register_fake

@@ -35,13 +35,38 @@ def cases(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(cases())
-def test_aten_matches_loop_reference(case):
+def test_op_matches_loop_reference(case):  # the NumPy CPU kernel, eagerly
     ids, sim, S, rho = case
     before = ids.clone()
     out = reroute(ids, sim, S, rho)
     assert torch.equal(ids, before), "input mutated"
     assert out.dtype == torch.int64 and out.shape == ids.shape
     assert torch.equal(out, reroute_loop(ids, sim, S, rho))
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases())
+def test_aten_matches_loop_reference(case):  # what compilers and exporters inline
+    ids, sim, S, rho = case
+    assert torch.equal(ops.reroute_aten(ids, sim, S, rho), reroute_loop(ids, sim, S, rho))
+
+
+def test_cpu_kernel_falls_back_beyond_its_candidate_prefix():
+    # 40 experts, one primary (expert 39): for most experts it lies beyond the 16-candidate prefix
+    g = torch.Generator().manual_seed(1)
+    sim = torch.rand(40, 40, generator=g)
+    ids = torch.tensor([[39, 1, 2, 3], [39, 5, 6, 7]])
+    for rho in (0.0, 0.5):
+        assert torch.equal(reroute(ids, sim, 1, rho), reroute_loop(ids, sim, 1, rho))
+
+
+def test_cpu_kernel_sees_in_place_updates_of_the_similarity():
+    sim = torch.eye(4)
+    sim[1, 0] = 0.9
+    ids = torch.tensor([[0, 1], [2, 3]])
+    assert reroute(ids, sim, 1, 0.5).tolist() == [[0, 0], [2, 3]]
+    sim[1, 0], sim[1, 2] = 0.1, 0.9  # same tensor, new values: the cached candidates must not be reused
+    assert reroute(ids, sim, 1, 0.5).tolist() == [[0, 2], [2, 3]]
 
 
 @needs_triton
@@ -200,9 +225,11 @@ def engine_cases(draw):
 @given(engine_cases())
 def test_rank_values_and_valid_rows_match_loop_reference(case):
     ids, values, valid, sim, S, rho = case
+    expected = reroute_rows_loop(ids, values, valid, sim, S, rho)
     out = reroute(ids, sim, S, rho, values, valid)
     assert out.dtype == torch.int32 and out.shape == ids.shape
-    assert torch.equal(out, reroute_rows_loop(ids, values, valid, sim, S, rho))
+    assert torch.equal(out, expected)
+    assert torch.equal(ops.reroute_aten(ids, sim, S, rho, values, valid), expected)
 
 
 @needs_triton

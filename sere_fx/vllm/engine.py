@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from sere_fx.ops import primary_mask
+from sere_fx.ops import primary_mask, reroute_kernel
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install
 from sere_fx.vllm.settings import WHERE, EngineLayer, SettingsError, parse, resolve_layers, to_device
 
@@ -87,17 +87,29 @@ def _query_start_loc(attn_metadata):
 
 _LIB = torch.library.Library("sere", "FRAGMENT")
 _LIB.define("engine_rows(Tensor topk_ids, bool decode_only) -> Tensor")
+_LIB.define("engine_reroute(Tensor topk_ids, Tensor similarity, int S, float rho, Tensor rank_values, "
+            "bool decode_only) -> Tensor")
 _LIB.define("record_routing(Tensor before, Tensor after, Tensor rank_values, Tensor rows, int layer, int S, int num_experts) -> Tensor")
 
 
-def _engine_rows(topk_ids: torch.Tensor, decode_only: bool) -> torch.Tensor:
+def _rows(topk_ids: torch.Tensor, decode_only: bool) -> torch.Tensor:
     n = topk_ids.shape[0]
     source = ENGINE.decode if decode_only else ENGINE.real
     if source is None or n > source.shape[0]:
         # Outside an engine step (or a batch larger than the scheduler's token budget): no row is
         # re-routed, so the model routes as it would without the plugin.
         return torch.zeros(n, dtype=torch.bool, device=topk_ids.device)
-    return source[:n].clone()
+    return source[:n]
+
+
+def _engine_rows(topk_ids: torch.Tensor, decode_only: bool) -> torch.Tensor:
+    return _rows(topk_ids, decode_only).clone()
+
+
+def _engine_reroute(topk_ids, similarity, S: int, rho: float, rank_values, decode_only: bool) -> torch.Tensor:
+    # sere.reroute's rule on this step's rows, in one opaque call: the NumPy kernel on the CPU,
+    # the Triton kernel on CUDA (sere.reroute itself is inlined by compilers, see sere_fx.ops).
+    return reroute_kernel(topk_ids, similarity, S, rho, rank_values, _rows(topk_ids, decode_only))
 
 
 def _distinct(ids: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -126,12 +138,18 @@ def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int
 
 
 _LIB.impl("engine_rows", _engine_rows, "CompositeExplicitAutograd")
+_LIB.impl("engine_reroute", _engine_reroute, "CompositeExplicitAutograd")
 _LIB.impl("record_routing", _record_routing, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("sere::engine_rows", lib=_LIB)
 def _(topk_ids, decode_only):
     return topk_ids.new_empty(topk_ids.shape[0], dtype=torch.bool)
+
+
+@torch.library.register_fake("sere::engine_reroute", lib=_LIB)
+def _(topk_ids, similarity, S, rho, rank_values, decode_only):
+    return torch.empty_like(topk_ids)
 
 
 @torch.library.register_fake("sere::record_routing", lib=_LIB)

@@ -1,0 +1,89 @@
+"""Cost of the plugin's routing step per MoE layer call, on vLLM's own CPU router.
+
+    python bench/vllm_routing.py [--tokens 32] [--experts 128] [--top-k 8] [--repeats 2000]
+
+Times, in one process with one thread (as a vLLM CPU worker runs): the router alone
+(``CPURouter._compute_routing``, the baseline), the router with each policy installed, and
+the pieces of the SERE step (``sere.engine_rows``, ``sere.reroute``). Reports median and
+[p10, p90] of 15 batches of ``--repeats`` calls each; all rows of the batch are decode rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+
+def timed(fn, repeats: int, batches: int = 15):
+    for _ in range(repeats // 4):
+        fn()
+    per_call = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        per_call.append((time.perf_counter() - start) / repeats * 1e6)
+    per_call.sort()
+    return {"median_us": statistics.median(per_call), "p10_us": per_call[len(per_call) // 10],
+            "p90_us": per_call[-1 - len(per_call) // 10]}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--S", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2000)
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    import sere_fx  # noqa: F401  (registers sere.reroute)
+    from sere_fx.plan import LayerPlan
+    from sere_fx.vllm import engine
+    from sere_fx.vllm.routing import LayerRouting, RouterScores, install
+
+    T, E, K = args.tokens, args.experts, args.top_k
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(T, E, generator=g)
+    hidden = torch.zeros(T, 16)
+    sim = torch.rand(E, E, generator=g)
+    engine.ENGINE.allocate(max(T, 1), "cpu")
+    engine.ENGINE.refresh({"x": SimpleNamespace(query_start_loc=torch.arange(T + 1))})  # T decode requests
+
+    results = {"config": vars(args)}
+    torch.inference_mode().__enter__()  # as vLLM runs its forward passes
+    plain = CPURouter(top_k=K, global_num_experts=E, renormalize=True)
+    results["router"] = timed(lambda: plain._compute_routing(hidden, logits, None), args.repeats)
+    for name, plan in [("sere", LayerPlan("sere", args.S, 0.0)), ("oea", LayerPlan("oea", args.S)),
+                       ("topk", LayerPlan("topk", args.S))]:
+        router = CPURouter(top_k=K, global_num_experts=E, renormalize=True)
+        install(router, LayerRouting(0, plan, RouterScores.of(router), sim, E, True, False))
+        results[f"router+{name}"] = timed(lambda r=router: r._compute_routing(hidden, logits, None), args.repeats)
+    weights, ids = plain._compute_routing(hidden, logits, None)
+    rows = torch.ops.sere.engine_rows(ids, True)
+    results["engine_rows op"] = timed(lambda: torch.ops.sere.engine_rows(ids, True), args.repeats)
+    results["reroute op"] = timed(lambda: torch.ops.sere.reroute(ids, sim, args.S, 0.0, weights, rows), args.repeats)
+    base = results["router"]["median_us"]
+    print(f"T={T} E={E} K={K} S={args.S}, 1 thread; per layer call, median [p10, p90] in us")
+    for name, r in results.items():
+        if name == "config":
+            continue
+        extra = f"  (+{r['median_us'] - base:.1f} us over the router)" if name.startswith("router+") else ""
+        print(f"  {name:16s} {r['median_us']:8.1f}  [{r['p10_us']:.1f}, {r['p90_us']:.1f}]{extra}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
