@@ -4,8 +4,11 @@
 
 Times, in one process with one thread (as a vLLM CPU worker runs): the router alone
 (``CPURouter._compute_routing``, the baseline), the router with each policy installed, and
-the pieces of the SERE step (``sere.engine_rows``, ``sere.reroute``). Reports median and
-[p10, p90] of 15 batches of ``--repeats`` calls each; all rows of the batch are decode rows.
+the engine ops alone (``sere.engine_reroute``: the SERE step's one op; ``sere.engine_rows``: the
+row mask the other policies read) and ``sere.reroute`` as a plain eager call. Reports median
+and [p10, p90] of 15 batches of ``--repeats`` calls each; all rows are decode rows. These are
+warm-cache figures: inside an engine, between two layers' big matrix products, each call
+starts with cold caches and costs more (see bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ def main(argv=None) -> dict:
     weights, ids = plain._compute_routing(hidden, logits, None)
     rows = torch.ops.sere.engine_rows(ids, True)
     results["engine_rows op"] = timed(lambda: torch.ops.sere.engine_rows(ids, True), args.repeats)
+    results["engine_reroute op"] = timed(lambda: torch.ops.sere.engine_reroute(ids, sim, args.S, 0.0, weights, True),
+                                         args.repeats)
     results["reroute op"] = timed(lambda: torch.ops.sere.reroute(ids, sim, args.S, 0.0, weights, rows), args.repeats)
     base = results["router"]["median_us"]
     print(f"T={T} E={E} K={K} S={args.S}, 1 thread; per layer call, median [p10, p90] in us")
