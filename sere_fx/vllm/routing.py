@@ -28,8 +28,6 @@ import torch
 from sere_fx.plan import LayerPlan
 from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select
 
-assert INDEX_POLICIES[0] == "sere"  # the others are the ablations
-
 
 @dataclass(frozen=True)
 class RouterScores:
@@ -113,23 +111,25 @@ class LayerRouting:
             rank = weights
         else:
             rank = self.scores.selection(router_logits).gather(1, ids.long())
-        if plan.policy == "sere":  # the hot path: one opaque op, rows looked up inside it
+        new_weights = weights
+        if plan.policy == "sere":
+            # The hot path: one opaque op, which looks this step's rows up itself.
             new_ids = torch.ops.sere.engine_reroute(ids, self.similarity, plan.S, plan.rho, rank, self.decode_only)
-            new_weights = weights
             if not self.stats:
-                return new_weights, new_ids
-        rows = torch.ops.sere.engine_rows(ids, self.decode_only)
-        if plan.policy in INDEX_POLICIES[1:]:
+                return weights, new_ids
+            rows = torch.ops.sere.engine_rows(ids, self.decode_only)
+        elif plan.policy in INDEX_POLICIES:  # the ablations
+            rows = torch.ops.sere.engine_rows(ids, self.decode_only)
             new_ids = ablation_reroute(ids, self.similarity, plan.S, plan.rho, plan.policy,
                                        rank_values=rank, valid_rows=rows)
-            new_weights = weights
-        elif plan.policy != "sere":
+        else:
+            rows = torch.ops.sere.engine_rows(ids, self.decode_only)
             select = oea_select if plan.policy == "oea" else keep_top_s
             neutral = float("-inf")
             values, chosen, _ = select(self.scores.selection(router_logits), ids.shape[1], plan.S, neutral, rows)
             keep = rows.unsqueeze(1)
-            new_weights = torch.where(keep, self.scores.weights(router_logits, chosen, values != neutral), weights)
-            new_weights = new_weights.to(weights.dtype)
+            recomputed = self.scores.weights(router_logits, chosen, values != neutral).to(weights.dtype)
+            new_weights = torch.where(keep, recomputed, weights)
             new_ids = torch.where(keep, chosen.to(ids.dtype), ids)
         if self.stats:
             new_ids = torch.ops.sere.record_routing(ids, new_ids, rank, rows, self.layer, plan.S, self.num_experts)
