@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(TESTBED_MODEL), reason="test-b
 
 def run_engine(tmp_path, name, model=TESTBED_MODEL, sere=None, expect_failure=False, multiprocess=False, **spec):
     """One engine in its own process. ``multiprocess=False`` runs engine core and worker inside it
-    (~15 s less start-up); the compiled, tensor-parallel and server tests keep vLLM's own processes."""
+    (~15 s less start-up); the tensor-parallel test and the README examples keep vLLM's own processes."""
     env = {**ENV, **spec.pop("env", {})}
     if not multiprocess:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -104,16 +104,6 @@ def test_oea_cuts_experts_and_leaves_prefill_rows_alone(workdir, plain):
         assert layer["critical_kept"] == 0
 
 
-def test_sere_under_default_compilation(workdir, testbed_sim):
-    # vLLM's own processes: the plugin is loaded by the engine core and the worker themselves
-    out = run_engine(workdir, "sere_compiled", eager=False, multiprocess=True,
-                     sere={"sim": testbed_sim, "S": 2, "rho": 0.0, "stats": True})
-    for layer in out["stats"].values():
-        assert layer["decode_steps"] > 0
-        assert layer["distinct_after"] < 0.7 * layer["distinct_before"], layer
-        assert layer["slots_rerouted"] > 0
-
-
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2_group"])
 def test_every_moe_layer_of_tiny_families(workdir, family):
     model = write_checkpoint(family, str(workdir / family))
@@ -148,31 +138,65 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_openai_server_answers_with_sere_on(workdir, testbed_sim):
+def readme_block(language: str, must_contain: str) -> str:
+    """The README's fenced ``language`` block of the vLLM section that contains ``must_contain``."""
+    text = open(os.path.join(HERE, "..", "README.md")).read()
+    section = text.split("## Serving with vLLM", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in section.split(f"```{language}\n")[1:]]
+    found = [b for b in blocks if must_contain in b]
+    assert len(found) == 1, f"README: expected one {language} block with {must_contain!r}, found {len(found)}"
+    return found[0]
+
+
+README_ENV = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "4"}  # the one setting the README asks for on the CPU
+
+
+def test_readme_offline_example(workdir, testbed_sim):
+    """The README's Python example as written. It also covers SERE under vLLM's defaults: the
+    default compilation, and the plugin loaded by vLLM's own engine and worker processes."""
+    code = readme_block("python", "LLM(model=DIR")
+    code = code.replace("DIR", repr(TESTBED_MODEL)).replace('"sim.safetensors"', repr(testbed_sim))
+    script = workdir / "readme_offline.py"
+    body = "prompts = " + repr(PROMPTS[:8]) + "\n" + code + "print('STATS', json.dumps(sere_fx.vllm.routing_stats(llm)))\n"
+    script.write_text("import json\n\nif __name__ == '__main__':\n" +
+                      "".join(f"    {line}\n" for line in body.splitlines()))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=README_ENV)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    stats = json.loads([line for line in proc.stdout.splitlines() if line.startswith("STATS ")][-1][6:])
+    assert sorted(stats) == ["0", "1", "2", "3"]
+    for layer in stats.values():
+        assert layer["decode_steps"] > 0 and layer["slots_rerouted"] > 0
+        assert layer["distinct_after"] < 0.7 * layer["distinct_before"], layer
+
+
+def test_readme_server_example(workdir, testbed_sim):
+    """The README's server command and request, with only the port added."""
+    import shlex
+
+    block = readme_block("bash", "vllm.entrypoints.openai.api_server")
+    command, request = block.split("curl", 1)
+    argv = [a.replace("DIR", TESTBED_MODEL).replace("sim.safetensors", testbed_sim)
+            for a in shlex.split(command.replace("\\\n", " "))]
+    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
     port = _free_port()
-    settings = json.dumps({"sere": {"sim": testbed_sim, "S": 2, "rho": 0.0}})
     log = open(workdir / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", TESTBED_MODEL, "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
-         "--gpu-memory-utilization", "0.5", "--additional-config", settings],
-        stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    server = subprocess.Popen([sys.executable, *argv[1:], "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                              env=README_ENV)
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + 400
         while True:
             assert server.poll() is None, (workdir / "server.log").read_text()[-6000:]
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
             except OSError:
-                assert time.time() < deadline, "server did not become healthy in 300 s"
+                assert time.time() < deadline, "server did not become healthy in 400 s"
                 time.sleep(1)
-        body = json.dumps({"model": TESTBED_MODEL, "prompt": PROMPTS[:4], "max_tokens": 8, "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
-        assert len(answer["choices"]) == 4 and all(c["text"] for c in answer["choices"])
-        assert answer["usage"]["completion_tokens"] == 32
+        body = json.loads(shlex.split(request.replace("\\\n", " "))[-1].replace("DIR", TESTBED_MODEL))
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == body["max_tokens"]
     finally:
         server.terminate()
         server.wait(timeout=60)
