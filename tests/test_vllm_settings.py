@@ -126,3 +126,16 @@ def test_attach_refuses_models_without_moe_layers_and_data_parallel(sim_file):
         engine.attach(torch.nn.Linear(2, 2), _vllm_config(), {"sim": sim_file})
     with pytest.raises(SettingsError, match=f"{KEY}: data_parallel_size 2 is not supported \\(expected 1\\)"):
         engine.attach(torch.nn.Linear(2, 2), _vllm_config(dp=2), {"sim": sim_file})
+
+
+def _runner(index, monolithic=False):
+    return SimpleNamespace(is_monolithic=monolithic, layer_name=f"model.layers.{index}.mlp.experts",
+                           moe_config=SimpleNamespace(num_logical_experts=8), router=SimpleNamespace(top_k=4))
+
+
+def test_engine_layers_and_monolithic_kernels():
+    assert engine.engine_layers([_runner(0), _runner(3)]) == [
+        EngineLayer(0, "model.layers.0.mlp.experts", 8, 4), EngineLayer(3, "model.layers.3.mlp.experts", 8, 4)]
+    with pytest.raises(SettingsError, match=f"{KEY}: model.layers.3.mlp.experts runs a monolithic MoE kernel, .*"
+                                            "moe_backend='triton' \\(--moe-backend triton\\)"):
+        engine.engine_layers([_runner(0), _runner(3, monolithic=True)])

@@ -166,10 +166,24 @@ def _moe_runners(model):
     return [m for m in model.modules() if isinstance(m, MoERunnerInterface)]
 
 
-def attach(model, vllm_config, raw) -> dict[int, LayerRouting]:
-    """Install the routing of ``raw`` (``additional_config["sere"]``) on every MoE layer of ``model``."""
+def engine_layers(runners) -> list[EngineLayer]:
+    """The engine's MoE layers (``MoERunner`` objects), refusing kernels that route internally."""
     from vllm.model_executor.models.utils import extract_layer_index
 
+    layers = []
+    for runner in runners:
+        if runner.is_monolithic:
+            raise SettingsError(
+                f"{WHERE}: {runner.layer_name} runs a monolithic MoE kernel, which routes inside the kernel, so "
+                "SERE cannot re-route it; select a modular MoE backend with moe_backend='triton' (--moe-backend triton)"
+            )
+        layers.append(EngineLayer(extract_layer_index(runner.layer_name), runner.layer_name,
+                                  runner.moe_config.num_logical_experts, runner.router.top_k))
+    return layers
+
+
+def attach(model, vllm_config, raw) -> dict[int, LayerRouting]:
+    """Install the routing of ``raw`` (``additional_config["sere"]``) on every MoE layer of ``model``."""
     settings = parse(raw)
     parallel = vllm_config.parallel_config
     if parallel.data_parallel_size > 1:
@@ -181,15 +195,7 @@ def attach(model, vllm_config, raw) -> dict[int, LayerRouting]:
     architecture = (getattr(vllm_config.model_config.hf_config, "architectures", None) or [None])[0]
     if not runners:
         raise SettingsError(f"{WHERE}: the served model ({architecture}) has no MoE layer to re-route")
-    layers = []
-    for runner in runners:
-        if runner.is_monolithic:
-            raise SettingsError(
-                f"{WHERE}: {runner.layer_name} runs a monolithic MoE kernel, which routes inside the kernel, so "
-                "SERE cannot re-route it; select a modular MoE backend with moe_backend='triton' (--moe-backend triton)"
-            )
-        layers.append(EngineLayer(extract_layer_index(runner.layer_name), runner.layer_name,
-                                  runner.moe_config.num_logical_experts, runner.router.top_k))
+    layers = engine_layers(runners)
     plans, matrices = resolve_layers(settings, layers, architecture)
     device = vllm_config.device_config.device
     matrices = to_device(matrices, device)
