@@ -35,7 +35,9 @@ def register() -> None:
     def load_model_with_sere(self, vllm_config, model_config, *args, **kwargs):
         model = load_model(self, vllm_config, model_config, *args, **kwargs)
         extra = vllm_config.additional_config
-        if isinstance(extra, dict) and extra.get(SETTINGS_KEY) is not None:
+        # Only the served model: a speculative-decoding draft model is loaded through here too.
+        is_target = model_config is vllm_config.model_config
+        if is_target and isinstance(extra, dict) and extra.get(SETTINGS_KEY) is not None:
             engine.attach(model, vllm_config, extra[SETTINGS_KEY])
         return model
 
