@@ -126,3 +126,45 @@ def test_tensorrt_fails_fast_without_cuda(tmp_path):
     model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
     with pytest.raises(RuntimeError, match=r"format 'tensorrt': needs a CUDA device; this machine has none"):
         exporters.export(model, _batches()[0], tmp_path / "m.ts", format="tensorrt")
+
+
+def _settings_model(case):
+    """A transformed tiny Qwen3-MoE with each kind of setting an artifact must carry."""
+    model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    layers = find_moe_layers(model)
+    sim = random_similarity(layers, seed=9)
+    kwargs = {
+        "rho 0.5": dict(S=1, rho=0.5),
+        "quantile": dict(S=1, rho=sere_fx.Quantile(0.5)),
+        "mixed plan": dict(plan={"layers": {"0": {"policy": "sere", "S": 1, "rho": 0.4},
+                                            "1": {"policy": "oea", "S": 2, "rho": None}}}),
+        "oea": dict(policy="oea", S=2),
+        "topk": dict(policy="topk", S=2),
+    }[case]
+    return sere_fx.transform(model, sim, max_tokens=None, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["rho 0.5", "quantile", "mixed plan", "oea", "topk"])
+def test_onnx_carries_every_kind_of_setting(case, tmp_path):
+    import onnxruntime as ort
+
+    model = _settings_model(case)
+    ids = _batches()[1]
+    path = exporters.export(model, ids, tmp_path / "m.onnx", format="onnx")
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+    got = torch.as_tensor(sess.run(None, {sess.get_inputs()[0].name: ids.numpy()})[0])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_decomposed_op_with_a_critical_threshold(tmp_path):
+    # rho > 0 used to build a tensor from the Python float inside the decomposition, which
+    # made the decomposed graph non-functional (lift_fresh_copy + detach_)
+    model = _settings_model("rho 0.5")
+    ids = _batches()[1]
+    path = exporters.export(model, ids, tmp_path / "m.pt2", format="pt2")
+    ep = torch.export.load(path).run_decompositions(sere_fx.ops.decompositions())
+    assert not any(n.target == torch.ops.sere.reroute.default for n in ep.graph.nodes)
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(ids), model(ids, use_cache=False).logits, atol=1e-4, rtol=0)
