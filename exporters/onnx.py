@@ -30,7 +30,9 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str, meta: str) -> str:
             "rotary embeddings (DeepSeek-V2); ONNX has no complex tensors. Export it as 'pt2' or 'aoti' instead"
         )
 
-    program = torch.onnx.export(ep.run_decompositions(decompositions()), dynamo=True, verbose=False)
+    # Names ONNX Runtime users expect (the exporter would otherwise name the output after its last node).
+    program = torch.onnx.export(ep.run_decompositions(decompositions()), dynamo=True, verbose=False,
+                                input_names=["input_ids"], output_names=["logits"])
     program.save(path)
     model = onnx.load(path)
     from sere_fx.exporters.export import SETTINGS_KEY

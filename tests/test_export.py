@@ -61,8 +61,8 @@ def test_onnx_runs_in_plain_onnxruntime(family, tmp_path):
     assert all(n.domain in ("", "ai.onnx") for n in onnx.load(path).graph.node), "standard ONNX ops only"
     assert {"ArgMax", "GatherElements"} & graph_ops or "ArgMax" in graph_ops
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    name = sess.get_inputs()[0].name
-    _check(lambda ids: sess.run(None, {name: ids.numpy()})[0], model, original)
+    assert [i.name for i in sess.get_inputs()] == ["input_ids"] and [o.name for o in sess.get_outputs()] == ["logits"]
+    _check(lambda ids: sess.run(["logits"], {"input_ids": ids.numpy()})[0], model, original)
     assert exporters.read_settings(path)["layers"]["0"] == {"policy": "sere", "S": 1, "rho": 0.0}
     # the experts implementation used for export was put back
     assert model.config._experts_implementation == "grouped_mm"
