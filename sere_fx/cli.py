@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -136,7 +137,10 @@ def _data_args(p, num_seqs: int) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from sere_fx.calibration.methods import DEFAULT_CKA_SAMPLE, METHODS
 
-    p = argparse.ArgumentParser(prog="sere-fx", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="sere-fx",
+        description="Batch-aware expert re-routing (SERE) for Mixture-of-Experts models: calibrate expert "
+        "similarities, inspect them, evaluate and tune routing policies, export artifacts, benchmark.")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="calibrate, transform, evaluate and time the embedded test-bed model")
@@ -227,7 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # The reader went away (`sere-fx inspect ... | head`): stop quietly, as Unix tools do.
+        # Point stdout at devnull so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
