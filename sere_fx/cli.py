@@ -38,11 +38,43 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def _error(command: str, message: str) -> int:
+    """One line on stderr, as argparse words its own errors, and exit status 2."""
+    print(f"sere-fx {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _finite_float(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite float, got {text!r}")
+    return value
+
+
 def cmd_inspect(args) -> int:
+    import torch
+
     from sere_fx.calibration.inspect import format_summary, plot
     from sere_fx.similarity import Similarity
 
-    sim = Similarity.load(args.sim)
+    try:
+        sim = Similarity.load(args.sim)
+    except FileNotFoundError:
+        return _error("inspect", f"sim: no file at {args.sim!r}")
+    except Exception as exc:  # truncated or foreign files: safetensors says why
+        return _error("inspect", f"sim: cannot read {args.sim!r} as a similarity file ({exc})")
+    for layer in sim:
+        bad = ~torch.isfinite(sim[layer])
+        if bool(bad.any()):
+            where = bad.nonzero()[0].tolist()
+            return _error("inspect", f"sim: layer {layer} has {int(bad.sum())} non-finite entries "
+                                     f"(expected finite similarities), e.g. {sim[layer][where[0], where[1]].item()} "
+                                     f"at {where}")
     print(format_summary(sim, args.rho))
     if args.plot:
         paths = plot(sim, args.plot)
@@ -223,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="summarise a similarity file; optionally plot heat maps")
     i.add_argument("sim", help="a similarity .safetensors file")
-    i.add_argument("--rho", type=float, default=0.5, help="threshold for counting critical experts (default 0.5)")
+    i.add_argument("--rho", type=_finite_float, default=0.5,
+                   help="threshold for counting critical experts (default 0.5)")
     i.add_argument("--plot", metavar="DIR", help="write layer_<i>.png heat maps and overview.png here")
     i.set_defaults(func=cmd_inspect)
     return p

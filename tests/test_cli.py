@@ -25,3 +25,34 @@ def test_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
     assert proc.returncode == 0
     assert len(proc.stdout.splitlines()) == 1
     assert "BrokenPipeError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def _inspect(*args):
+    return subprocess.run([sys.executable, "-m", "sere_fx.cli", "inspect", *map(str, args)], capture_output=True,
+                          text=True)
+
+
+def test_inspect_refuses_what_it_cannot_summarise(tmp_path):
+    nan = tmp_path / "nan.safetensors"
+    m = torch.rand(4, 4)
+    m[1, 2] = float("nan")
+    Similarity({0: torch.rand(4, 4), 3: m}).save(nan)
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"\xff" * 64)
+    good = tmp_path / "good.safetensors"
+    Similarity({0: torch.rand(4, 4)}).save(good)
+    cases = [
+        ((nan,), "sere-fx inspect: error: sim: layer 3 has 1 non-finite entries (expected finite similarities), "
+                 "e.g. nan at [1, 2]"),
+        ((broken,), f"sere-fx inspect: error: sim: cannot read '{broken}' as a similarity file ("),
+        ((tmp_path / "missing.safetensors",), "sere-fx inspect: error: sim: no file at"),
+        ((good, "--rho", "nan"), "sere-fx inspect: error: argument --rho: expected a finite float, got 'nan'"),
+    ]
+    for args, message in cases:
+        proc = _inspect(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert proc.stdout == ""
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("sere-fx")]
+        assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert _inspect(good, "--rho", "0.3").returncode == 0
