@@ -16,9 +16,19 @@ def _load_model(path: str, dtype: str = "float32"):
     return model, tokenizer
 
 
+def _output_dir_missing(command: str, out: str) -> int | None:
+    """Check ``--out`` before any work: a run must not end by failing to write its result."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        return _error(command, f"--out: expected a path in an existing directory, got {out!r} ({folder!r} does not exist)")
+    return None
+
+
 def cmd_calibrate(args) -> int:
     from sere_fx.calibration import batched, calibrate
 
+    if (failed := _output_dir_missing("calibrate", args.out)) is not None:
+        return failed
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.seq_len)
     if windows.shape[0] < args.num_seqs:
@@ -138,6 +148,8 @@ def cmd_export(args) -> int:
     import sere_fx
     from sere_fx.exporters import export
 
+    if (failed := _output_dir_missing("export", args.out)) is not None:
+        return failed
     model, _ = _load_model(args.model, args.dtype)
     if args.experts_implementation:
         model.set_experts_implementation(args.experts_implementation)

@@ -56,3 +56,17 @@ def test_inspect_refuses_what_it_cannot_summarise(tmp_path):
         assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
         assert "Traceback" not in proc.stderr
     assert _inspect(good, "--rho", "0.3").returncode == 0
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path):
+    # The model path does not exist either: the --out error proves nothing was loaded first.
+    out = tmp_path / "missing" / "x"
+    for argv in (["calibrate", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "no.txt"),
+                  "--out", f"{out}.safetensors"],
+                 ["export", "--model", str(tmp_path / "no-model"), "--format", "pt2", "--out", f"{out}.pt2"]):
+        proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", *argv], capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        suffix = argv[-1].rsplit(".", 1)[1]
+        assert proc.stderr.strip() == (f"sere-fx {argv[0]}: error: --out: expected a path in an existing directory, "
+                                       f"got '{out}.{suffix}' ('{out.parent}' does not exist)")
+    assert not (tmp_path / "missing").exists()
