@@ -104,10 +104,20 @@ def cmd_eval(args) -> int:
 
     args.policies = args.policies or list(DEFAULT_POLICIES)
 
+    if args.num_seqs < args.batch_size:
+        return _error("eval", f"--batch-size: expected at most --num-seqs ({args.num_seqs}), got {args.batch_size}: "
+                              "every decode step must carry a full batch")
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
+    if windows.shape[0] < args.batch_size:
+        return _error("eval", f"--batch-size: expected at most the {windows.shape[0]} sequences {args.data} gives, "
+                              f"got {args.batch_size}")
     report = evaluate(model, windows, args.policies, args.sim, batch_size=args.batch_size, prefill=args.prefill,
                       max_tokens=args.max_tokens)
+    dropped = report.config["dropped_sequences"]
+    if dropped:
+        print(f"note: {dropped} of {windows.shape[0]} sequences left out: not a full batch of {args.batch_size}",
+              file=sys.stderr)
     print(report.table())
     for a, b in args.compare or []:
         c = report.compare(a, b)
@@ -138,6 +148,8 @@ def cmd_tune(args) -> int:
 def cmd_demo(args) -> int:
     from sere_fx.demo import run
 
+    if args.num_seqs < 32:
+        return _error("demo", f"--num-seqs: expected at least 32 (the demo decodes batches of 32), got {args.num_seqs}")
     run(args.out_dir, num_eval_seqs=args.num_seqs, steps=args.steps)
     return 0
 

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from sere_fx.discovery import find_moe_blocks
+from sere_fx.discovery import find_moe_blocks, find_moe_layers
 from sere_fx.plan import Quantile
 from sere_fx.policies import POLICIES, bypass
+from sere_fx.similarity import as_similarity, resolve
 from sere_fx.transform import restore, transform
 
 
@@ -294,6 +295,17 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
     for s in specs:
         if s.needs_sim() and sim is None:
             raise ValueError(f"sim: policy {s.label!r} needs expert-similarity matrices, got None")
+    if sim is not None:  # a bad file or shape fails now, not after the baseline pass
+        sim = as_similarity(sim)
+        resolve(sim, find_moe_layers(model))
+    n = int(windows.shape[0])
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= n:
+        raise ValueError(f"batch_size: expected an int in [1, {n}] (the number of sequences), got {batch_size!r}: "
+                         "every decode step must carry a full batch")
+    # Every scored step carries exactly batch_size tokens: a smaller last batch would be a
+    # different workload, so its sequences are left out and counted in the report.
+    dropped = n % batch_size
+    windows = windows[: n - dropped]
     if baseline is None:
         baseline = decode_scores(model, windows, batch_size=batch_size, prefill=prefill, progress=progress,
                                  desc="baseline")
@@ -316,5 +328,6 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
             dnll=s.mean_nll - baseline.mean_nll, dnll_ci=ci["dnll_ci"], settings=settings,
         ))
     config = {"batch_size": batch_size, "prefill": prefill, "sequences": int(windows.shape[0]),
+              "dropped_sequences": dropped,
               "window": int(windows.shape[1]), "scored_tokens": int(baseline.tokens.sum()), "max_tokens": max_tokens}
     return EvalReport(results, config, {label: s for label, s, _ in scored})

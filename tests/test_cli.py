@@ -70,3 +70,16 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
         assert proc.stderr.strip() == (f"sere-fx {argv[0]}: error: --out: expected a path in an existing directory, "
                                        f"got '{out}.{suffix}' ('{out.parent}' does not exist)")
     assert not (tmp_path / "missing").exists()
+
+
+def test_eval_and_demo_refuse_partial_batches(tmp_path):
+    for argv, message in (
+        (["eval", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "no.txt"), "--num-seqs", "8",
+          "--batch-size", "32"],
+         "sere-fx eval: error: --batch-size: expected at most --num-seqs (8), got 32: every decode step must carry "
+         "a full batch"),
+        (["demo", "--num-seqs", "8"],
+         "sere-fx demo: error: --num-seqs: expected at least 32 (the demo decodes batches of 32), got 8"),
+    ):
+        proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", *argv], capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.strip() == message, proc.stderr

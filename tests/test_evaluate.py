@@ -136,3 +136,27 @@ def test_eval_needs_similarity_for_sere(setup):
         evaluate(model, windows, ["sere:S=1"], None, progress=False)
     with pytest.raises(ValueError, match=r"prefill: expected an int in \[1, 7\]"):
         decode_scores(model, windows, prefill=8, progress=False)
+
+
+def test_batches_are_always_full(setup):
+    model, windows, sim = setup  # 10 sequences
+    with pytest.raises(ValueError, match=r"batch_size: expected an int in \[1, 10\] \(the number of sequences\), got 32"):
+        evaluate(model, windows, ["oea:S=1"], progress=False, batch_size=32)
+    report = evaluate(model, windows, ["oea:S=1"], progress=False, batch_size=4, prefill=2)
+    assert report.config["sequences"] == 8 and report.config["dropped_sequences"] == 2
+    assert report.config["scored_tokens"] == 8 * (windows.shape[1] - 2 - 1)
+
+
+def test_similarity_is_checked_before_the_baseline_pass(setup, monkeypatch):
+    import sere_fx.evaluate as ev
+
+    model, windows, _ = setup
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded before the similarity was checked")
+
+    monkeypatch.setattr(ev, "decode_scores", no_decoding)
+    with pytest.raises(ValueError, match=r"sim: expected matrices for the MoE decoder layers"):
+        evaluate(model, windows, ["sere:S=1,rho=0"], {7: torch.eye(16)}, batch_size=5, progress=False)
+    with pytest.raises(FileNotFoundError, match="sim: no similarity file at"):
+        evaluate(model, windows, ["sere:S=1,rho=0"], "/nonexistent.safetensors", batch_size=5, progress=False)
