@@ -45,6 +45,18 @@ def test_pt2(family, tmp_path):
     sims = [s for s in ep.graph_signature.buffers_to_mutate.values()] + list(ep.state_dict)
     assert sum("sere_similarity" in s for s in sims) == len(ops)
     _check(lambda ids: ep.module()(ids), model, original)
+    # as the README says: a fresh process loads it after `import sere_fx`
+    import subprocess
+    import sys
+
+    ids = _batches()[1]
+    torch.save(ids, tmp_path / "ids.pt")
+    code = (f"import torch, sere_fx; ids = torch.load({str(tmp_path / 'ids.pt')!r}); "
+            f"torch.save(torch.export.load({str(path)!r}).module()(ids), {str(tmp_path / 'out.pt')!r})")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(ids, use_cache=False).logits, atol=1e-4,
+                                   rtol=0)
     settings = exporters.read_settings(path)
     assert settings["sere_fx"] and settings["policy"] == "sere" and settings["layers"]["1"]["S"] == 1
     assert settings["similarity_fingerprint"] == model.sere_settings.similarity_fingerprint
