@@ -100,9 +100,14 @@ def _windows(args, tokenizer, seq_len: int):
 
 
 def cmd_eval(args) -> int:
-    from sere_fx.evaluate import DEFAULT_POLICIES, evaluate
+    from sere_fx.evaluate import DEFAULT_POLICIES, evaluate, parse_policy
 
     args.policies = args.policies or list(DEFAULT_POLICIES)
+    for spec in args.policies:  # before any model is loaded
+        try:
+            parse_policy(spec)
+        except ValueError as exc:
+            return _error("eval", f"--policies: {exc}")
 
     if args.num_seqs < args.batch_size:
         return _error("eval", f"--batch-size: expected at most --num-seqs ({args.num_seqs}), got {args.batch_size}: "

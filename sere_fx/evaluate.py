@@ -61,12 +61,16 @@ def parse_policy(text: str) -> PolicySpec:
         key, eq, value = item.partition("=")
         if not eq or key not in ("S", "rho"):
             raise ValueError(f"policy: expected settings S=<int>, rho=<float> or rho=q<quantile>, got {item!r} in {text!r}")
-        if key == "S":
-            kwargs["S"] = int(value)
-        elif value.startswith("q"):
-            kwargs["rho"] = Quantile(float(value[1:]))
-        else:
-            kwargs["rho"] = float(value)
+        try:
+            if key == "S":
+                kwargs["S"] = int(value)
+            elif value.startswith("q"):
+                kwargs["rho"] = Quantile(float(value[1:]))
+            else:
+                kwargs["rho"] = float(value)
+        except ValueError as exc:
+            wanted = "an int" if key == "S" else "a float or q<quantile in [0, 1]>"
+            raise ValueError(f"policy: expected {key}={wanted}, got {item!r} in {text!r} ({exc})") from None
     return PolicySpec(text, kwargs)
 
 

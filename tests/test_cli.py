@@ -83,3 +83,12 @@ def test_eval_and_demo_refuse_partial_batches(tmp_path):
     ):
         proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", *argv], capture_output=True, text=True)
         assert proc.returncode == 2 and proc.stderr.strip() == message, proc.stderr
+
+
+def test_eval_names_a_bad_policy_spec_before_loading(tmp_path):
+    argv = ["eval", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "no.txt"), "--policies",
+            "baseline", "sere:S=2,rho=abc"]
+    proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("sere-fx eval: error: --policies: policy: expected rho=a float or "
+                                          "q<quantile in [0, 1]>, got 'rho=abc' in 'sere:S=2,rho=abc'"), proc.stderr

@@ -123,7 +123,10 @@ def test_parse_policy(text, expected):
 @pytest.mark.parametrize(
     "text,message",
     [("fast:S=2", r"policy: expected 'baseline', 'plan:PATH' or one of"), ("sere:K=2", r"expected settings S=<int>"),
-     ("plan:", r"expected 'plan:PATH'")],
+     ("plan:", r"expected 'plan:PATH'"),
+     ("sere:S=2,rho=abc", r"policy: expected rho=a float or q<quantile in \[0, 1\]>, got 'rho=abc' in 'sere:S=2,rho=abc'"),
+     ("sere:S=two", r"policy: expected S=an int, got 'S=two' in 'sere:S=two'"),
+     ("sere:S=2,rho=q7", r"policy: expected rho=a float or q<quantile in \[0, 1\]>, got 'rho=q7' in 'sere:S=2,rho=q7'")],
 )
 def test_parse_policy_errors(text, message):
     with pytest.raises(ValueError, match=message):
