@@ -81,6 +81,9 @@ def token_windows(
                 return torch.tensor(windows, dtype=torch.int64)
         base += len(ids)
     if not windows:
+        if first >= base:
+            raise ValueError(f"token range: expected START below the text's {base} tokens, got "
+                             f"{first}:{'' if last is None else last}")
         raise ValueError(f"data: no document has more than {seq_len} tokens (in token range {first}:{last})")
     return torch.tensor(windows, dtype=torch.int64)
 
