@@ -6,10 +6,11 @@
 - Continuous batching mixes prefill and decode tokens in one forward. Once per forward step
   (when vLLM creates its ``ForwardContext``) two persistent boolean buffers are refreshed from
   the attention metadata: *decode rows* (the token of a request whose query length is 1)
-  and *real rows* (not padding). ``torch.ops.sere.engine_rows`` hands a copy of the first T
-  entries to the routing step. It is an opaque op, so Dynamo does not freeze the mask of the
-  step it traced; its reads come from persistent buffers updated by device ops only, so a
-  CUDA-graph replay sees the current step's rows.
+  and *real rows* (not padding). ``torch.ops.sere.engine_reroute`` (SERE's whole step: the
+  op's rule on this step's rows) and ``torch.ops.sere.engine_rows`` (a copy of the first T
+  entries, for the other policies) read them. Both are opaque ops, so Dynamo does not freeze
+  the mask of the step it traced; the buffers are persistent and updated by device ops only,
+  so a CUDA-graph replay sees the current step's rows.
 - ``torch.ops.sere.record_routing`` (only when ``stats`` is set) adds per-layer counters on
   the device, without a host sync; ``worker_stats`` reads them for ``routing_stats``.
 """
@@ -27,6 +28,7 @@ def _logger():
     from vllm.logger import init_logger  # under "vllm." so that vLLM's log settings apply
 
     return init_logger("vllm.sere_fx")
+
 
 # Statistic fields, summed on the device per layer: ``decode_steps`` counts calls with at least
 # one re-routed row; the rest are sums over those calls (``prefill_rows``: real rows in them that
