@@ -8,12 +8,24 @@ import sys
 import torch
 
 from sere_fx import Similarity
+from sere_fx.cli import main
 
 
-def test_top_level_help_reads_as_prose():
-    out = subprocess.run([sys.executable, "-m", "sere_fx.cli", "--help"], capture_output=True, text=True, check=True)
-    assert "``" not in out.stdout
-    assert "Batch-aware expert re-routing (SERE)" in out.stdout
+def cli(capsys, *argv):
+    """``sere-fx ARGV`` in this process: (exit status, stdout, stderr). The one subprocess test
+    below covers what only a real process shows (a closed pipe)."""
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's own errors and --help
+        rc = exc.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_top_level_help_reads_as_prose(capsys):
+    rc, out, _ = cli(capsys, "--help")
+    assert rc == 0 and "``" not in out
+    assert "Batch-aware expert re-routing (SERE)" in out
 
 
 def test_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
@@ -27,12 +39,7 @@ def test_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
     assert "BrokenPipeError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-def _inspect(*args):
-    return subprocess.run([sys.executable, "-m", "sere_fx.cli", "inspect", *map(str, args)], capture_output=True,
-                          text=True)
-
-
-def test_inspect_refuses_what_it_cannot_summarise(tmp_path):
+def test_inspect_refuses_what_it_cannot_summarise(tmp_path, capsys):
     nan = tmp_path / "nan.safetensors"
     m = torch.rand(4, 4)
     m[1, 2] = float("nan")
@@ -49,30 +56,28 @@ def test_inspect_refuses_what_it_cannot_summarise(tmp_path):
         ((good, "--rho", "nan"), "sere-fx inspect: error: argument --rho: expected a finite float, got 'nan'"),
     ]
     for args, message in cases:
-        proc = _inspect(*args)
-        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
-        assert proc.stdout == ""
-        lines = [line for line in proc.stderr.splitlines() if line.startswith("sere-fx")]
-        assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
-        assert "Traceback" not in proc.stderr
-    assert _inspect(good, "--rho", "0.3").returncode == 0
+        rc, out, err = cli(capsys, "inspect", *args)
+        assert rc == 2 and out == "", (args, out, err)
+        lines = [line for line in err.splitlines() if line.startswith("sere-fx")]
+        assert len(lines) == 1 and lines[0].startswith(message), err
+    assert cli(capsys, "inspect", good, "--rho", "0.3")[0] == 0
 
 
-def test_output_paths_are_checked_before_any_work(tmp_path):
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
     # The model path does not exist either: the --out error proves nothing was loaded first.
     out = tmp_path / "missing" / "x"
     for argv in (["calibrate", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "no.txt"),
                   "--out", f"{out}.safetensors"],
                  ["export", "--model", str(tmp_path / "no-model"), "--format", "pt2", "--out", f"{out}.pt2"]):
-        proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", *argv], capture_output=True, text=True)
-        assert proc.returncode == 2, proc.stderr
+        rc, _, err = cli(capsys, *argv)
+        assert rc == 2, err
         suffix = argv[-1].rsplit(".", 1)[1]
-        assert proc.stderr.strip() == (f"sere-fx {argv[0]}: error: --out: expected a path in an existing directory, "
+        assert err.strip() == (f"sere-fx {argv[0]}: error: --out: expected a path in an existing directory, "
                                        f"got '{out}.{suffix}' ('{out.parent}' does not exist)")
     assert not (tmp_path / "missing").exists()
 
 
-def test_eval_and_demo_refuse_partial_batches(tmp_path):
+def test_eval_and_demo_refuse_partial_batches(tmp_path, capsys):
     for argv, message in (
         (["eval", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "no.txt"), "--num-seqs", "8",
           "--batch-size", "32"],
@@ -81,14 +86,14 @@ def test_eval_and_demo_refuse_partial_batches(tmp_path):
         (["demo", "--num-seqs", "8"],
          "sere-fx demo: error: --num-seqs: expected at least 32 (the demo decodes batches of 32), got 8"),
     ):
-        proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", *argv], capture_output=True, text=True)
-        assert proc.returncode == 2 and proc.stderr.strip() == message, proc.stderr
+        rc, _, err = cli(capsys, *argv)
+        assert rc == 2 and err.strip() == message, err
 
 
-def test_eval_names_a_bad_policy_spec_before_loading(tmp_path):
+def test_eval_names_a_bad_policy_spec_before_loading(tmp_path, capsys):
     argv = ["eval", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "no.txt"), "--policies",
             "baseline", "sere:S=2,rho=abc"]
-    proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", *argv], capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("sere-fx eval: error: --policies: policy: expected rho=a float or "
-                                          "q<quantile in [0, 1]>, got 'rho=abc' in 'sere:S=2,rho=abc'"), proc.stderr
+    rc, _, err = cli(capsys, *argv)
+    assert rc == 2
+    assert err.strip().startswith("sere-fx eval: error: --policies: policy: expected rho=a float or "
+                                          "q<quantile in [0, 1]>, got 'rho=abc' in 'sere:S=2,rho=abc'"), err
