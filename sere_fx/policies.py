@@ -128,15 +128,11 @@ def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows
     the loaded set and are re-selected; the other rows get their own top-k.
     """
     own = torch.topk(scores, k, dim=-1).indices
-    seed = own[:, :k0]
-    if valid_rows is not None:  # invalid rows point at a scratch slot past the last expert
-        seed = seed.masked_fill(~valid_rows.unsqueeze(1), scores.shape[-1])
-    loaded = torch.zeros(scores.shape[-1] + 1, dtype=torch.bool, device=scores.device)
-    loaded = loaded.index_fill(0, seed.reshape(-1), True)[:-1]
+    loaded = primary_mask(own, k0, scores.shape[-1], valid_rows=valid_rows)  # the same rule as SERE's primaries
     allowed = loaded.unsqueeze(0) if valid_rows is None else loaded.unsqueeze(0) | ~valid_rows.unsqueeze(1)
     masked = scores.masked_fill(~allowed, neutral)
     values, ids = torch.topk(masked, k, dim=-1)
-    filled = loaded[ids] if valid_rows is None else loaded[ids] | ~valid_rows.unsqueeze(1)
+    filled = allowed.expand_as(scores).gather(1, ids)
     ids = torch.where(filled, ids, ids[:, :1])
     values = values.masked_fill(~filled, neutral)
     return values, ids, own

@@ -114,14 +114,10 @@ def _engine_reroute(topk_ids, similarity, S: int, rho: float, rank_values, decod
     return reroute_kernel(topk_ids, similarity, S, rho, rank_values, _rows(topk_ids, decode_only))
 
 
-def _distinct(ids: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:
-    ids = ids.to(torch.int64).masked_fill(~rows.unsqueeze(1), num_experts)
-    seen = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device).index_fill(0, ids.reshape(-1), True)
-    return seen[:num_experts]
-
-
 def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int) -> torch.Tensor:
-    seen_before, seen_after = _distinct(before, rows, e), _distinct(after, rows, e)
+    # Experts used by the rows = primary_mask over all K slots.
+    k = before.shape[1]
+    seen_before, seen_after = primary_mask(before, k, e, valid_rows=rows), primary_mask(after, k, e, valid_rows=rows)
     primary = primary_mask(before, S, e, rank_values, rows)
     n_rows = rows.sum()
     active = n_rows > 0
