@@ -63,10 +63,13 @@ def exported_program(model: nn.Module, example_inputs, *, max_batch: int = 1024)
     """``torch.export`` of the model's logits (transformers models) with a dynamic batch dim."""
     settings = getattr(model, "sere_settings", None)
     if settings is not None and settings.max_tokens is not None:
-        raise ValueError(
-            f"max_tokens: an exported artifact re-routes every call it sees (a token-count branch does not export "
-            f"with a dynamic batch); transform with max_tokens=None for export, got {settings.max_tokens}"
-        )
+        topk = sorted(i for i, lp in settings.layers.items() if lp.policy == "topk")
+        if topk:
+            raise ValueError(
+                f"max_tokens: policy 'topk' (layers {topk}) changes the number of routed slots, so a graph cannot keep "
+                f"both sides of the prefill/decode branch; export it re-routing every call (max_tokens=None), "
+                f"got {settings.max_tokens}"
+            )
     args = _as_args(example_inputs)
     if getattr(model, "config", None) is not None and hasattr(model, "generate"):
         module = LogitsOnly(model).eval()
@@ -99,6 +102,12 @@ def export(model: nn.Module, example_inputs, path: str | os.PathLike, format: st
     path = os.fspath(path)
     meta = json.dumps(settings_of(model), sort_keys=True)
     if format == "tensorrt":
+        settings = getattr(model, "sere_settings", None)
+        if settings is not None and settings.max_tokens is not None:
+            raise ValueError(
+                f"max_tokens: format 'tensorrt' cannot carry the prefill/decode branch (torch.cond); export it "
+                f"re-routing every call (max_tokens=None), got {settings.max_tokens}"
+            )
         from sere_fx.exporters.tensorrt import export_tensorrt
 
         return export_tensorrt(model, example_inputs, path, meta, max_batch=max_batch)

@@ -4,16 +4,52 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 
+class CliError(Exception):
+    """A user mistake, reported as one line: the argument, what was expected, what was given."""
+
+
 def _load_model(path: str, dtype: str = "float32"):
+    if not os.path.isdir(path):
+        raise CliError(f"--model: expected a local transformers model directory, got {path!r} (no such directory)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CliError(f"--model: expected a transformers model directory with a config.json, got {path!r} "
+                       "(no config.json in it)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CliError(f"--model: cannot load {path!r} as a causal LM with its tokenizer ({_first_line(exc)})") from exc
     return model, tokenizer
+
+
+def _load_sim(path: str | None, option: str = "--sim"):
+    """The similarity file, read and checked before any model is loaded."""
+    if path is None:
+        return None
+    import torch
+
+    from sere_fx.similarity import Similarity
+
+    try:
+        sim = Similarity.load(path)
+    except FileNotFoundError:
+        raise CliError(f"{option}: no file at {path!r}") from None
+    except Exception as exc:  # truncated or foreign files: safetensors says why
+        raise CliError(f"{option}: cannot read {path!r} as a similarity file ({_first_line(exc)})") from exc
+    for layer in sim:
+        bad = ~torch.isfinite(sim[layer])
+        if bool(bad.any()):
+            where = bad.nonzero()[0].tolist()
+            raise CliError(f"{option}: layer {layer} has {int(bad.sum())} non-finite entries (expected finite "
+                           f"similarities), e.g. {sim[layer][where[0], where[1]].item()} at {where}")
+    return sim
 
 
 def _output_dir_missing(command: str, out: str) -> int | None:
@@ -29,6 +65,7 @@ def cmd_calibrate(args) -> int:
 
     if (failed := _output_dir_missing("calibrate", args.out)) is not None:
         return failed
+    _check_data(args)
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.seq_len)
     if windows.shape[0] < args.num_seqs:
@@ -66,30 +103,34 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _max_tokens(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {text!r}")
+    return value
+
+
 def cmd_inspect(args) -> int:
     import torch
 
     from sere_fx.calibration.inspect import format_summary, plot
-    from sere_fx.similarity import Similarity
 
-    try:
-        sim = Similarity.load(args.sim)
-    except FileNotFoundError:
-        return _error("inspect", f"sim: no file at {args.sim!r}")
-    except Exception as exc:  # truncated or foreign files: safetensors says why
-        return _error("inspect", f"sim: cannot read {args.sim!r} as a similarity file ({exc})")
-    for layer in sim:
-        bad = ~torch.isfinite(sim[layer])
-        if bool(bad.any()):
-            where = bad.nonzero()[0].tolist()
-            return _error("inspect", f"sim: layer {layer} has {int(bad.sum())} non-finite entries "
-                                     f"(expected finite similarities), e.g. {sim[layer][where[0], where[1]].item()} "
-                                     f"at {where}")
+    sim = _load_sim(args.sim, option="sim")
     print(format_summary(sim, args.rho))
     if args.plot:
         paths = plot(sim, args.plot)
         print(f"plots: {len(paths)} files in {args.plot} (overview: {paths[-1]})")
     return 0
+
+
+def _check_data(args) -> None:
+    if not os.path.isfile(args.data):
+        raise CliError(f"--data: expected a text file (.txt, .jsonl or .parquet), got {args.data!r} (no such file)")
 
 
 def _windows(args, tokenizer, seq_len: int):
@@ -112,12 +153,14 @@ def cmd_eval(args) -> int:
     if args.num_seqs < args.batch_size:
         return _error("eval", f"--batch-size: expected at most --num-seqs ({args.num_seqs}), got {args.batch_size}: "
                               "every decode step must carry a full batch")
+    _check_data(args)
+    sim = _load_sim(args.sim)
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     if windows.shape[0] < args.batch_size:
         return _error("eval", f"--batch-size: expected at most the {windows.shape[0]} sequences {args.data} gives, "
                               f"got {args.batch_size}")
-    report = evaluate(model, windows, args.policies, args.sim, batch_size=args.batch_size, prefill=args.prefill,
+    report = evaluate(model, windows, args.policies, sim, batch_size=args.batch_size, prefill=args.prefill,
                       max_tokens=args.max_tokens)
     dropped = report.config["dropped_sequences"]
     if dropped:
@@ -137,9 +180,13 @@ def cmd_tune(args) -> int:
     from sere_fx.plan import save_plan
     from sere_fx.tune import tune
 
+    if (failed := _output_dir_missing("tune", args.out)) is not None:
+        return failed
+    _check_data(args)
+    sim = _load_sim(args.sim)
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
-    result = tune(model, args.sim, windows, max_loss=args.max_loss, metric=args.metric, batch_size=args.batch_size,
+    result = tune(model, sim, windows, max_loss=args.max_loss, metric=args.metric, batch_size=args.batch_size,
                   prefill=args.prefill, max_tokens=args.max_tokens)
     print(result.summary())
     save_plan(args.out, result.plan, tuned={"metric": result.metric, "max_loss": result.max_loss, "loss": result.loss,
@@ -167,12 +214,19 @@ def cmd_export(args) -> int:
 
     if (failed := _output_dir_missing("export", args.out)) is not None:
         return failed
+    if args.format == "tensorrt":  # before any work: this machine may not run it at all
+        from sere_fx.exporters.tensorrt import available
+
+        ok, why = available()
+        if not ok:
+            raise CliError(why)
+    sim = _load_sim(args.sim)
     model, _ = _load_model(args.model, args.dtype)
     if args.experts_implementation:
         model.set_experts_implementation(args.experts_implementation)
     if args.sim is not None or args.policy in ("topk", "oea") or args.plan:
         kwargs = {"plan": args.plan} if args.plan else {"policy": args.policy, "S": args.S, "rho": args.rho}
-        sere_fx.transform(model, args.sim, max_tokens=None, **kwargs)
+        sere_fx.transform(model, sim, max_tokens=args.max_tokens, **kwargs)
     example = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     path = export(model, example, args.out, format=args.format, max_batch=args.max_batch)
     what = model.sere_settings.as_dict() if sere_fx.is_transformed(model) else "untransformed"
@@ -233,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--policies", nargs="+", default=None, metavar="SPEC",
                    help="baseline, sere:S=2,rho=0.5, sere:S=2,rho=q0.3, topk:S=2, oea:S=2, random:S=2,rho=0, "
                         "least_similar:S=2,rho=0, plan:PATH (default: the standard comparison set)")
-    e.add_argument("--max-tokens", type=int, default=None,
+    e.add_argument("--max-tokens", type=_max_tokens, default=None,
                    help="passed to transform (default None: every decode step is re-routed)")
     e.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),
                    help="also print a paired comparison of policy B against policy A (repeatable)")
@@ -252,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--prefill", type=int, default=4)
     t.add_argument("--steps", type=int, default=96)
-    t.add_argument("--max-tokens", type=int, default=None, help="passed to transform (default None)")
+    t.add_argument("--max-tokens", type=_max_tokens, default=None, help="passed to transform (default None)")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--out", required=True, help="plan .json to write")
     t.set_defaults(func=cmd_tune)
@@ -269,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--seq-len", type=int, default=1, help="sequence length of the exported graph (default 1: decode)")
     x.add_argument("--batch", type=int, default=2, help="example batch size (the artifact's batch is dynamic)")
     x.add_argument("--max-batch", type=int, default=1024)
+    x.add_argument("--max-tokens", type=_max_tokens, default=256,
+                   help="calls with more tokens keep the model's routing, decided per call inside the artifact "
+                        "(default 256, as transform); 'none' re-routes every call (needed for --policy topk and "
+                        "--format tensorrt)")
     x.add_argument("--experts-implementation", choices=["grouped_mm", "batched_mm"], default="grouped_mm",
                    help="transformers experts implementation to export (default grouped_mm; onnx uses batched_mm)")
     x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -288,11 +346,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threshold for counting critical experts (default 0.5)")
     i.add_argument("--plot", metavar="DIR", help="write layer_<i>.png heat maps and overview.png here")
     i.set_defaults(func=cmd_inspect)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
+        command.set_defaults(options={o for a in command._actions for o in a.option_strings})
     return p
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _report(command: str, exc: Exception, options: set[str]) -> int:
+    """One line for an error raised below the CLI. The library names its arguments (``sim: ...``,
+    ``max_tokens: ...``); where that argument is also this command's option, say it as the option."""
+    line = _first_line(exc)
+    name = re.match(r"([a-z_]+)(?=[\[:])", line)
+    if name and (option := "--" + name.group(1).replace("_", "-")) in options:
+        line = option + line[name.end():]
+    elif not isinstance(exc, (ValueError, TypeError, FileNotFoundError)):  # not one of ours: say what it was
+        line = f"{type(exc).__name__}: {line} (--debug shows the traceback)"
+    return _error(command, line)
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except BrokenPipeError:
@@ -300,6 +379,14 @@ def main(argv=None) -> int:
         # Point stdout at devnull so that the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except CliError as exc:
+        return _error(args.command, str(exc))
+    except KeyboardInterrupt:
+        return _error(args.command, "interrupted")
+    except Exception as exc:
+        if args.debug:
+            raise
+        return _report(args.command, exc, args.options)
 
 
 if __name__ == "__main__":

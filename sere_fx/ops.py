@@ -50,7 +50,9 @@ def primary_mask(topk_ids: torch.Tensor, S: int, num_experts: int, rank_values: 
     if valid_rows is not None:  # invalid rows point at a scratch slot past the last expert
         top = top.masked_fill(~valid_rows.unsqueeze(1), num_experts)
     primary = torch.zeros(num_experts + 1, dtype=torch.bool, device=topk_ids.device)
-    return primary.index_fill(0, top.reshape(-1), True)[:num_experts]
+    # index_put with the 2-D index (no flattening view): a view to a size computed inside a
+    # torch.cond branch does not survive the ONNX exporter's re-tracing.
+    return primary.index_put((top,), primary.new_ones(()))[:num_experts]
 
 
 def remap_table(primary: torch.Tensor, similarity: torch.Tensor, rho: float,

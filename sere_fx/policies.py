@@ -48,14 +48,24 @@ class bypass:
         _BYPASS = self._prev
 
 
-def _leave_alone(tokens: int, max_tokens: int | None, stats) -> bool:
+def _by_size(tokens, max_tokens: int | None, stats, policy_fn, model_fn, operands: tuple):
+    """``policy_fn(*operands)`` for calls of at most ``max_tokens`` tokens, ``model_fn(*operands)``
+    (the model's own routing) for larger calls and inside ``bypass()``.
+
+    Under ``torch.export`` the token count is a symbolic size: ``torch.cond`` keeps both branches
+    in the graph, so an artifact decides per call exactly as the eager model does.
+    """
     if _BYPASS:
-        return True
-    if max_tokens is not None and tokens > max_tokens:
-        if stats is not None:
-            stats.record_skipped(tokens)
-        return True
-    return False
+        return model_fn(*operands)
+    if max_tokens is None:
+        return policy_fn(*operands)
+    if isinstance(tokens, int) or not torch.compiler.is_exporting():
+        if tokens > max_tokens:
+            if stats is not None:
+                stats.record_skipped(tokens)
+            return model_fn(*operands)
+        return policy_fn(*operands)
+    return torch.cond(tokens <= max_tokens, policy_fn, model_fn, operands)
 
 
 def ablation_reroute(ranked: torch.Tensor, similarity: torch.Tensor, S: int, rho: float, target: str,
@@ -101,24 +111,30 @@ def remap_ids(
     slot keeps its own routing weight. ``stats``: a ``LayerStats`` or None (no cost).
     """
     k = topk_ids.shape[-1]
-    ids = topk_ids.reshape(-1, k)
-    if _leave_alone(ids.shape[0], max_tokens, stats):
-        return topk_ids
-    ids = ids.to(torch.int64)
-    if topk_values is None:
-        ranked = ids
-    else:
-        order = topk_values.reshape(-1, k).argsort(dim=-1, descending=True, stable=True)
-        ranked = ids.gather(1, order)
-    if policy == "sere":
-        out = torch.ops.sere.reroute(ranked, similarity, S, rho)
-    else:
-        out = ablation_reroute(ranked, similarity, S, rho, policy, generator)
-    if stats is not None:
-        stats.record(ranked, out, S)
-    if topk_values is not None:
-        out = torch.empty_like(out).scatter(1, order, out)
-    return out.to(topk_ids.dtype).reshape(topk_ids.shape)
+    tokens = topk_ids.numel() // k
+
+    def policy_fn(topk_ids, similarity, *values):
+        ids = topk_ids.reshape(-1, k).to(torch.int64)
+        if values:
+            order = values[0].reshape(-1, k).argsort(dim=-1, descending=True, stable=True)
+            ranked = ids.gather(1, order)
+        else:
+            ranked = ids
+        if policy == "sere":
+            out = torch.ops.sere.reroute(ranked, similarity, S, rho)
+        else:
+            out = ablation_reroute(ranked, similarity, S, rho, policy, generator)
+        if stats is not None:
+            stats.record(ranked, out, S)
+        if values:
+            out = torch.empty_like(out).scatter(1, order, out)
+        return out.to(topk_ids.dtype).reshape(topk_ids.shape)
+
+    def model_fn(topk_ids, similarity, *values):
+        return topk_ids.clone()  # a branch output may not alias an input
+
+    operands = (topk_ids, similarity) + (() if topk_values is None else (topk_values,))
+    return _by_size(tokens, max_tokens, stats, policy_fn, model_fn, operands)
 
 
 def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows: torch.Tensor | None = None):
@@ -168,17 +184,23 @@ def select_topk(
 ):
     """A top-k policy in place of the site's ``torch.topk(scores, k, dim, largest, sorted)``."""
     e = scores.shape[-1]
-    flat = scores.reshape(-1, e)
-    if _leave_alone(flat.shape[0], max_tokens, stats):
-        return torch.topk(scores, k, dim=dim, largest=largest, sorted=sorted)
-    if policy == "topk":
-        values, ids = torch.topk(flat, S, dim=-1)
-        before = torch.topk(flat, k, dim=-1).indices if stats is not None else None
-    elif policy == "oea":
-        values, ids, before = oea_select(flat, k, S, neutral)
-    else:
+    if policy not in TOPK_POLICIES:
         raise ValueError(f"policy: expected one of {list(TOPK_POLICIES)}, got {policy!r}")
-    if stats is not None:
-        stats.record(before, ids, S)
-    shape = scores.shape[:-1] + (ids.shape[-1],)
-    return torch.return_types.topk((values.reshape(shape), ids.reshape(shape)))
+
+    def policy_fn(scores):
+        flat = scores.reshape(-1, e)
+        if policy == "topk":
+            values, ids = torch.topk(flat, S, dim=-1)
+            before = torch.topk(flat, k, dim=-1).indices if stats is not None else None
+        else:
+            values, ids, before = oea_select(flat, k, S, neutral)
+        if stats is not None:
+            stats.record(before, ids, S)
+        shape = scores.shape[:-1] + (ids.shape[-1],)
+        return values.reshape(shape), ids.reshape(shape)
+
+    def model_fn(scores):
+        return tuple(torch.topk(scores, k, dim=dim, largest=largest, sorted=sorted))
+
+    values, ids = _by_size(scores.numel() // e, max_tokens, stats, policy_fn, model_fn, (scores,))
+    return torch.return_types.topk((values, ids))

@@ -97,3 +97,63 @@ def test_eval_names_a_bad_policy_spec_before_loading(tmp_path, capsys):
     assert rc == 2
     assert err.strip().startswith("sere-fx eval: error: --policies: policy: expected rho=a float or "
                                           "q<quantile in [0, 1]>, got 'rho=abc' in 'sere:S=2,rho=abc'"), err
+
+
+def test_every_mistake_is_one_line_naming_the_argument(tmp_path, capsys):
+    from sere_fx.resources import testbed_model, testbed_text
+
+    model, text = testbed_model(), testbed_text()
+    (tmp_path / "no-config").mkdir()
+    real = tmp_path / "sim.safetensors"
+    Similarity({i: torch.rand(64, 64) for i in range(4)}).save(real)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(real.read_bytes()[:100])
+    nan = tmp_path / "nan.safetensors"
+    Similarity({0: torch.full((64, 64), float("nan"))}).save(nan)
+    out = tmp_path / "out"
+    cases = [
+        (["eval", "--model", tmp_path / "nowhere", "--data", text],
+         f"sere-fx eval: error: --model: expected a local transformers model directory, got '{tmp_path / 'nowhere'}' "
+         "(no such directory)"),
+        (["export", "--model", tmp_path / "no-config", "--format", "pt2", "--out", out],
+         f"sere-fx export: error: --model: expected a transformers model directory with a config.json, got "
+         f"'{tmp_path / 'no-config'}' (no config.json in it)"),
+        (["eval", "--model", model, "--data", text, "--sim", truncated],
+         f"sere-fx eval: error: --sim: cannot read '{truncated}' as a similarity file ("),
+        (["tune", "--model", model, "--data", text, "--sim", tmp_path / "none.safetensors", "--out", out],
+         f"sere-fx tune: error: --sim: no file at '{tmp_path / 'none.safetensors'}'"),
+        (["export", "--model", model, "--sim", nan, "--format", "onnx", "--out", out],
+         "sere-fx export: error: --sim: layer 0 has 4096 non-finite entries (expected finite similarities), e.g. nan"),
+        (["calibrate", "--model", model, "--data", tmp_path / "none.txt", "--out", out],
+         f"sere-fx calibrate: error: --data: expected a text file (.txt, .jsonl or .parquet), got "
+         f"'{tmp_path / 'none.txt'}' (no such file)"),
+        (["export", "--model", model, "--format", "pt2", "--out", out, "--max-tokens", "0"],
+         "sere-fx export: error: argument --max-tokens: expected a positive integer or 'none', got '0'"),
+        (["export", "--model", model, "--policy", "topk", "--format", "pt2", "--out", out],
+         "sere-fx export: error: --max-tokens: policy 'topk' (layers [0, 1, 2, 3]) changes the number of routed slots"),
+    ]
+    for argv, message in cases:
+        rc, stdout, err = cli(capsys, *argv)
+        lines = [line for line in err.splitlines() if line.startswith("sere-fx")]
+        assert rc == 2 and "Traceback" not in err and len(lines) == 1 and lines[0].startswith(message), (argv, err)
+        assert not out.exists(), argv  # nothing partial written
+    # the topk export works once told to re-route every call
+    rc, stdout, err = cli(capsys, "export", "--model", model, "--policy", "topk", "--format", "pt2", "--out", out,
+                          "--max-tokens", "none")
+    assert rc == 0 and "'max_tokens': None" in stdout, err
+
+
+def test_unexpected_errors_are_one_line_unless_debugging(tmp_path, capsys, monkeypatch):
+    import pytest
+
+    import sere_fx.cli
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire\nsecond line")
+
+    monkeypatch.setattr(sere_fx.cli, "_load_model", broken)
+    argv = ["export", "--model", tmp_path, "--format", "pt2", "--out", tmp_path / "m.pt2"]
+    rc, _, err = cli(capsys, *argv)
+    assert rc == 2 and err.strip() == "sere-fx export: error: RuntimeError: disk on fire (--debug shows the traceback)"
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        main([str(a) for a in argv] + ["--debug"])

@@ -1,6 +1,9 @@
 """Exporters: pt2, aoti, onnx artifacts match the eager transformed model at two batch sizes."""
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -46,8 +49,6 @@ def test_pt2(family, tmp_path):
     assert sum("sere_similarity" in s for s in sims) == len(ops)
     _check(lambda ids: ep.module()(ids), model, original)
     # as the README says: a fresh process loads it after `import sere_fx`
-    import subprocess
-    import sys
 
     ids = _batches()[1]
     torch.save(ids, tmp_path / "ids.pt")
@@ -86,27 +87,6 @@ def test_onnx_refuses_complex_models_clearly(tmp_path):
         exporters.export(model, _batches()[1], tmp_path / "m.onnx", format="onnx")
 
 
-def test_aoti_package_loads_and_runs(tmp_path):
-    model, original = _models("qwen3_moe")
-    path = exporters.export(model, _batches()[1], tmp_path / "m_aoti.pt2", format="aoti")
-    runner = torch._inductor.aoti_load_package(path)
-    _check(lambda ids: runner(ids), model, original)
-    assert exporters.read_settings(path)["policy"] == "sere"
-    # the package runs in a process that never imports sere_fx (transformers is imported for
-    # its own grouped_mm custom op, which the experts call)
-    import subprocess
-    import sys
-
-    ids = _batches()[1]
-    torch.save(ids, tmp_path / "ids.pt")
-    code = (f"import sys, torch, transformers.integrations.moe; assert 'sere_fx' not in sys.modules; ids = torch.load({str(tmp_path / 'ids.pt')!r}); "
-            f"out = torch._inductor.aoti_load_package({path!r})(ids); assert 'sere_fx' not in sys.modules; "
-            f"torch.save(out, {str(tmp_path / 'out.pt')!r})")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
-    with torch.no_grad():
-        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(ids, use_cache=False).logits, atol=1e-4, rtol=0)
-
-
 def test_plain_export_of_an_untransformed_model(tmp_path):
     model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
     path = exporters.export(model, {"input_ids": _batches()[0]}, tmp_path / "plain.pt2")
@@ -123,8 +103,9 @@ def test_export_errors(tmp_path):
     ids = _batches()[0]
     with pytest.raises(ValueError, match=r"format: expected one of \['pt2', 'aoti', 'onnx', 'tensorrt'\], got 'tflite'"):
         exporters.export(model, ids, tmp_path / "x", format="tflite")
-    sere_fx.transform(model, random_similarity(find_moe_layers(model)), S=1)
-    with pytest.raises(ValueError, match=r"max_tokens: an exported artifact re-routes every call .* got 256"):
+    sere_fx.transform(model, random_similarity(find_moe_layers(model)), S=1, policy="topk")
+    with pytest.raises(ValueError, match=r"max_tokens: policy 'topk' \(layers \[0, 1\]\) changes the number of routed "
+                                         r"slots.* \(max_tokens=None\), got 256"):
         exporters.export(model, ids, tmp_path / "x.pt2")
     eager = tiny_model("olmoe", experts_implementation="eager")
     with pytest.raises(ValueError, match=r"model: the 'eager' experts implementation .* cannot be exported"):
@@ -180,3 +161,91 @@ def test_decomposed_op_with_a_critical_threshold(tmp_path):
     assert not any(n.target == torch.ops.sere.reroute.default for n in ep.graph.nodes)
     with torch.no_grad():
         torch.testing.assert_close(ep.module()(ids), model(ids, use_cache=False).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("format", ["pt2", "onnx"])  # aoti: the README test below
+def test_prefill_branch_survives_export(format, tmp_path):
+    # transform's default keeps a token-count branch: the artifact must decide per call as the
+    # eager model does (6 tokens: re-routed; 24 tokens > max_tokens: the model's own routing)
+    model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    original = copy.deepcopy(model)
+    sere_fx.transform(model, random_similarity(find_moe_layers(model), seed=9), S=1, max_tokens=10)
+    small, large = _batches()
+    path = exporters.export(model, large, tmp_path / f"m.{'onnx' if format == 'onnx' else 'pt2'}", format=format)
+    if format == "pt2":
+        ep = torch.export.load(path)
+        assert sum(n.target == torch.ops.higher_order.cond for n in ep.graph.nodes) == 2, "one branch per MoE layer"
+        run = ep.module()
+    elif format == "aoti":
+        run = torch._inductor.aoti_load_package(path)
+    else:
+        import onnx
+        import onnxruntime as ort
+
+        assert [n.op_type for n in onnx.load(path).graph.node].count("If") == 2
+        sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        run = lambda ids: torch.as_tensor(sess.run(None, {"input_ids": ids.numpy()})[0])  # noqa: E731
+    with torch.no_grad():
+        for ids, rerouted in ((small, True), (large, False)):
+            expected, plain = model(ids, use_cache=False).logits, original(ids, use_cache=False).logits
+            assert ((expected - plain).abs().max() > 1e-3) == rerouted
+            torch.testing.assert_close(torch.as_tensor(run(ids)), expected, atol=1e-4, rtol=0)
+    assert exporters.read_settings(path)["max_tokens"] == 10
+
+
+def _load_artifact(path: str, format: str):
+    if format == "pt2":
+        return torch.export.load(path).module()
+    if format == "aoti":
+        return torch._inductor.aoti_load_package(path)
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return lambda ids: torch.as_tensor(sess.run(None, {"input_ids": ids.numpy()})[0])
+
+
+def test_readme_export_commands_on_the_testbed(tmp_path, monkeypatch, capsys):
+    """Every `sere-fx export` line of the README, as typed (defaults: S=2, rho=0.5, max_tokens=256)."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    from sere_fx.calibration import calibrate
+    from sere_fx.cli import main
+    from sere_fx.resources import testbed_model
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    commands = re.findall(r"`(sere-fx export --model DIR --sim sim\.safetensors --format (\w+) --out (\S+))`", readme)
+    assert [c[1] for c in commands] == ["pt2", "aoti", "onnx", "tensorrt"]
+    model = AutoModelForCausalLM.from_pretrained(testbed_model(), dtype=torch.float32).eval()  # as the CLI loads it
+    monkeypatch.chdir(tmp_path)
+    text = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    calibrate(model, [text[:4], text[4:]]).save("sim.safetensors")
+    eager = sere_fx.transform(copy.deepcopy(model), "sim.safetensors", S=2, rho=0.5)
+    decode, prefill = (torch.randint(0, model.config.vocab_size, (b, 1), generator=torch.Generator().manual_seed(b))
+                       for b in (8, 300))  # 8 tokens: re-routed; 300 > 256: the model's own routing
+    for command, format, out in commands:
+        argv = command.replace("DIR", testbed_model()).split()[1:]
+        rc, err = main(argv), capsys.readouterr().err
+        if format == "tensorrt":
+            assert rc == 2 and err.strip().endswith("sere-fx export: error: format 'tensorrt': needs a CUDA device; "
+                                                    "this machine has none") or torch.cuda.is_available(), err
+            continue
+        assert rc == 0, err
+        run = _load_artifact(out, format)
+        with torch.no_grad():
+            for ids, rerouted in ((decode, True), (prefill, False)):
+                expected, plain = eager(ids, use_cache=False).logits, model(ids, use_cache=False).logits
+                assert ((expected - plain).abs().max() > 1e-3) == rerouted
+                torch.testing.assert_close(run(ids), expected, atol=2e-4, rtol=0)
+        assert exporters.read_settings(out)["max_tokens"] == 256
+        if format == "aoti":
+            # the package runs in a process that never imports sere_fx (transformers' grouped_mm
+            # experts need their custom op, registered by transformers.integrations.moe)
+            torch.save(decode, "ids.pt")
+            code = ("import sys, torch, transformers.integrations.moe; "
+                    f"out = torch._inductor.aoti_load_package({out!r})(torch.load('ids.pt')); "
+                    "assert 'sere_fx' not in sys.modules; torch.save(out, 'out.pt')")
+            subprocess.run([sys.executable, "-c", code], check=True)
+            with torch.no_grad():
+                torch.testing.assert_close(torch.load("out.pt"), eager(decode, use_cache=False).logits, atol=2e-4, rtol=0)
