@@ -77,6 +77,7 @@ def check_compile() -> dict:
     from transformers import StaticCache
 
     from sere_fx.discovery import find_moe_layers
+    from sere_fx.evaluate import cache_kwarg
     from tiny_models import random_similarity, tiny_model
 
     model = tiny_model("qwen3_moe", experts_implementation="grouped_mm").cuda()
@@ -86,13 +87,14 @@ def check_compile() -> dict:
     prompt = torch.randint(3, 90, (4, 5), device="cuda")
     nxt = torch.randint(3, 90, (4, 1), device="cuda")
     caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    kw = cache_kwarg(model)
     with torch.no_grad(), sere_fx.bypass():
-        model(prompt, past_key_values=caches[0], use_cache=True)
-        ref(prompt, past_key_values=caches[1], use_cache=True)
+        model(prompt, **{kw: caches[0]}, use_cache=True)
+        ref(prompt, **{kw: caches[1]}, use_cache=True)
     pos = torch.tensor([5], device="cuda")
     with torch.no_grad():
-        got = step(nxt, past_key_values=caches[0], use_cache=True, cache_position=pos).logits
-        exp = ref(nxt, past_key_values=caches[1], use_cache=True, cache_position=pos).logits
+        got = step(nxt, **{kw: caches[0]}, use_cache=True, cache_position=pos).logits
+        exp = ref(nxt, **{kw: caches[1]}, use_cache=True, cache_position=pos).logits
     return {"max_abs_diff": float((got - exp).abs().max())}
 
 

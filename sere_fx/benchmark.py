@@ -66,3 +66,41 @@ def decode_step_timing(model: nn.Module, batch: torch.Tensor, *, context: int = 
 
     one()  # warm-up
     return Timing.of([one() for _ in range(repeats)])
+
+
+@dataclass
+class PairedTiming:
+    """Baseline and policy timed in the same run, interleaved; ``speedup`` is the distribution of
+    the per-repeat ratios baseline/policy, so drift of the machine cancels within each pair."""
+
+    baseline: Timing
+    policy: Timing
+    speedup: Timing
+
+    def fmt_speedup(self) -> str:
+        return f"{self.speedup.median_s:.2f}x [{self.speedup.p10_s:.2f}, {self.speedup.p90_s:.2f}]"
+
+
+@torch.no_grad()
+def paired_decode_timing(model: nn.Module, batch: torch.Tensor, *, repeats: int = 9, **kwargs) -> PairedTiming:
+    """Decode-step timing of a transformed ``model``: its own routing (under ``sere_fx.bypass``)
+    against its policy, alternating which side runs first in each repeat, after a warm-up of both.
+    ``kwargs`` as for ``decode_step_timing`` (context, steps)."""
+    from sere_fx.policies import bypass
+
+    def baseline() -> float:
+        with bypass():
+            return decode_step_timing(model, batch, repeats=1, **kwargs).median_s
+
+    def policy() -> float:
+        return decode_step_timing(model, batch, repeats=1, **kwargs).median_s
+
+    base, pol = [], []
+    for i in range(repeats):
+        if i % 2 == 0:
+            base.append(baseline())
+            pol.append(policy())
+        else:
+            pol.append(policy())
+            base.append(baseline())
+    return PairedTiming(Timing.of(base), Timing.of(pol), Timing.of([b / p for b, p in zip(base, pol)]))

@@ -114,17 +114,21 @@ def _expert_ids(args) -> torch.Tensor:
     raise RuntimeError("evaluate: an experts module was called without integer expert indices")
 
 
+def cache_kwarg(model: nn.Module) -> str:
+    """The name under which ``model.forward`` takes its KV cache: transformers renamed
+    ``past_key_values`` to ``cache`` (5.2x; the old name warns until it is removed)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class CachedDecode:
     """Batched decode with a KV cache: ``prefill`` (the model's own routing, under
     ``bypass``), then ``step`` one token per sequence at a time."""
 
     def __init__(self, model: nn.Module):
-        import inspect
-
         self.model = model
-        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); accept both generations.
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = cache_kwarg(model)
         self._out = None
 
     def prefill(self, tokens: torch.Tensor) -> None:

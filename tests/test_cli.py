@@ -157,3 +157,28 @@ def test_unexpected_errors_are_one_line_unless_debugging(tmp_path, capsys, monke
     assert rc == 2 and err.strip() == "sere-fx export: error: RuntimeError: disk on fire (--debug shows the traceback)"
     with pytest.raises(RuntimeError, match="disk on fire"):
         main([str(a) for a in argv] + ["--debug"])
+
+
+def test_demo_as_the_readme_runs_it(tmp_path, capsys, monkeypatch):
+    import re
+
+    from sere_fx.demo import speedup_verdict
+
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = cli(capsys, "demo")  # the README's first line, defaults included
+    assert rc == 0, err
+    files = sorted(p.name for p in (tmp_path / "sere-demo").iterdir())
+    assert files == ["eval.json", "pareto.png", "sim.safetensors", "similarity"]
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if re.match(r"(baseline|sere|oea)\S* +0\.", line)}
+    assert list(rows) == ["baseline", "sere:S=2,rho=0.5", "sere:S=2,rho=0", "oea:S=2"]
+    base, sere = float(rows["baseline"][-2]), float(rows["sere:S=2,rho=0"][-2])
+    assert sere < base, "S=2 rho=0 reads fewer experts"
+    line = next(line for line in out.splitlines() if line.startswith("speed-up"))
+    speed, lo, hi = map(float, re.match(r"speed-up ([\d.]+)x \[([\d.]+), ([\d.]+)\] \(per-pair ratios\); ", line).groups())
+    assert lo <= speed <= hi
+    # the speed-up is always read against the limit the distinct experts allow
+    limit = float(re.search(r"limit (?:from experts read is|of) ([\d.]+)x", line).group(1))
+    assert abs(limit - base / sere) < 0.01
+    assert speedup_verdict(speed, limit) in line
+    assert speedup_verdict(2.0, 1.5).startswith("above the limit of 1.50x: timing noise")
+    assert speedup_verdict(1.2, 1.5) == "the limit from experts read is 1.50x on the MoE layers alone"

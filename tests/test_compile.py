@@ -10,6 +10,7 @@ from transformers import StaticCache
 import sere_fx
 from sere_fx.compile import SereBackend
 from sere_fx.discovery import find_moe_layers
+from sere_fx.evaluate import cache_kwarg
 from tiny_models import FAMILIES, random_similarity, tiny_model
 
 
@@ -31,16 +32,17 @@ def test_fullgraph_decode_step_of_every_family(family):
     prompt = torch.randint(3, 90, (3, 5), generator=torch.Generator().manual_seed(0))
     nxt = torch.randint(3, 90, (3, 1), generator=torch.Generator().manual_seed(1))
     caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(3)]
+    kw = cache_kwarg(model)
     with torch.no_grad(), sere_fx.bypass():  # the same prefill for all three
-        model(prompt, past_key_values=caches[0], use_cache=True)
-        ref(prompt, past_key_values=caches[1], use_cache=True)
+        model(prompt, **{kw: caches[0]}, use_cache=True)
+        ref(prompt, **{kw: caches[1]}, use_cache=True)
         original_model = sere_fx.restore(copy.deepcopy(ref))
-        original_model(prompt, past_key_values=caches[2], use_cache=True)
+        original_model(prompt, **{kw: caches[2]}, use_cache=True)
     pos = torch.tensor([5])
     with torch.no_grad():
-        got = step(nxt, past_key_values=caches[0], use_cache=True, cache_position=pos).logits
-        expected = ref(nxt, past_key_values=caches[1], use_cache=True, cache_position=pos).logits
-        original = original_model(nxt, past_key_values=caches[2], use_cache=True, cache_position=pos).logits
+        got = step(nxt, **{kw: caches[0]}, use_cache=True, cache_position=pos).logits
+        expected = ref(nxt, **{kw: caches[1]}, use_cache=True, cache_position=pos).logits
+        original = original_model(nxt, **{kw: caches[2]}, use_cache=True, cache_position=pos).logits
     assert backend.sites_rewritten == len(find_moe_layers(model))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     assert (got - original).abs().max() > 1e-3, "routing must really differ from the untransformed model"

@@ -9,7 +9,7 @@ import torch
 
 import sere_fx
 from sere_fx.discovery import find_moe_layers
-from sere_fx.evaluate import PolicySpec, decode_scores, evaluate, paired_bootstrap, parse_policy
+from sere_fx.evaluate import CachedDecode, PolicySpec, decode_scores, evaluate, paired_bootstrap, parse_policy
 from tiny_models import random_similarity, tiny_model
 
 
@@ -163,3 +163,17 @@ def test_similarity_is_checked_before_the_baseline_pass(setup, monkeypatch):
         evaluate(model, windows, ["sere:S=1,rho=0"], {7: torch.eye(16)}, batch_size=5, progress=False)
     with pytest.raises(FileNotFoundError, match="sim: no similarity file at"):
         evaluate(model, windows, ["sere:S=1,rho=0"], "/nonexistent.safetensors", batch_size=5, progress=False)
+
+
+def test_decode_loop_uses_the_current_cache_argument(setup):
+    # transformers renamed past_key_values to cache and warns on the old name: the project's own
+    # decode loop must not trigger that warning on any supported version
+    import warnings
+
+    model = setup[0]
+    windows = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decoder = CachedDecode(model)
+        decoder.prefill(windows[:, :4])
+        decoder.step(windows[:, 4:5])
