@@ -59,8 +59,7 @@ def _experts_implementation(model: nn.Module, name: str | None):
         model.set_experts_implementation(current)
 
 
-def exported_program(model: nn.Module, example_inputs, *, max_batch: int = 1024) -> torch.export.ExportedProgram:
-    """``torch.export`` of the model's logits (transformers models) with a dynamic batch dim."""
+def _check_exportable(model: nn.Module) -> None:
     settings = getattr(model, "sere_settings", None)
     if settings is not None and settings.max_tokens is not None:
         topk = sorted(i for i, lp in settings.layers.items() if lp.policy == "topk")
@@ -70,6 +69,14 @@ def exported_program(model: nn.Module, example_inputs, *, max_batch: int = 1024)
                 f"both sides of the prefill/decode branch; export it re-routing every call (max_tokens=None), "
                 f"got {settings.max_tokens}"
             )
+    if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
+        raise ValueError("model: the 'eager' experts implementation loops over experts with data-dependent control "
+                         "flow and cannot be exported; call model.set_experts_implementation('grouped_mm') first")
+
+
+def exported_program(model: nn.Module, example_inputs, *, max_batch: int = 1024) -> torch.export.ExportedProgram:
+    """``torch.export`` of the model's logits (transformers models) with a dynamic batch dim."""
+    _check_exportable(model)
     args = _as_args(example_inputs)
     if getattr(model, "config", None) is not None and hasattr(model, "generate"):
         module = LogitsOnly(model).eval()
@@ -77,9 +84,6 @@ def exported_program(model: nn.Module, example_inputs, *, max_batch: int = 1024)
             raise ValueError(f"example_inputs: a causal LM exports input_ids only, got {len(args)} tensors")
     else:
         module = model.eval()
-    if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
-        raise ValueError("model: the 'eager' experts implementation loops over experts with data-dependent control "
-                         "flow and cannot be exported; call model.set_experts_implementation('grouped_mm') first")
     if args[0].shape[0] == 1:
         # A size-1 example gets specialised to 1 by tracing; a batch of 2 keeps the dim
         # symbolic (the artifact still takes batch 1).
@@ -89,38 +93,102 @@ def exported_program(model: nn.Module, example_inputs, *, max_batch: int = 1024)
     return torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
 
 
+CACHES = (None, "static")
+
+
+def _cache_inputs(model: nn.Module, example_inputs, max_cache_len) -> torch.Tensor:
+    """The prompt a cache export traces with, after checking the cache arguments."""
+    if not hasattr(model, "generate") or getattr(model, "config", None) is None:
+        raise ValueError(f"cache: 'static' needs a transformers causal LM, got {type(model).__name__}")
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 2:
+        raise ValueError(f"max_cache_len: expected an int >= 2 with cache='static', got {max_cache_len!r}")
+    args = _as_args(example_inputs)
+    ids = args[0]
+    if len(args) != 1 or ids.dim() != 2:
+        raise ValueError(f"example_inputs: expected one input_ids [B, L] tensor, got {len(args)} tensors, the first "
+                         f"of shape {tuple(ids.shape)}")
+    # A length-1 example would specialise the (dynamic) length to 1.
+    ids = ids if ids.shape[1] >= 2 else torch.cat([ids, ids], dim=1)
+    return ids[:, : max_cache_len]
+
+
 def export(model: nn.Module, example_inputs, path: str | os.PathLike, format: str = "pt2", *,
-           max_batch: int = 1024) -> str:
+           max_batch: int | None = None, cache: str | None = None, max_cache_len: int | None = None) -> str:
     """Write ``model`` (transformed by ``sere_fx.transform`` or not) as a deployable artifact.
 
     ``example_inputs``: ``input_ids [B, L]`` (a tensor, a 1-tuple or ``{"input_ids": ...}``),
-    or the positional inputs of a plain ``nn.Module``. The batch dimension is dynamic in
-    ``[1, max_batch]``; the sequence length is fixed by the example. Returns the path written.
+    or the positional inputs of a plain ``nn.Module``. Returns the path written.
+
+    ``cache=None`` (default): ``input_ids -> logits`` with no cache; the batch is dynamic in
+    ``[1, max_batch]`` (default 1024), the sequence length is the example's.
+    ``cache="static"``: a decoder with a KV cache of ``max_cache_len`` positions
+    (``sere_fx.exporters.decoder``): ``input_ids [B, L]`` + ``cache_position [L]`` -> logits, L
+    dynamic, so the same artifact prefills and decodes; the batch is fixed to the example's
+    (SERE's saving depends on it). Run it with ``sere_fx.exporters.load(path).generate(...)``.
     """
     if format not in FORMATS:
         raise ValueError(f"format: expected one of {list(FORMATS)}, got {format!r}")
+    if cache not in CACHES:
+        raise ValueError(f"cache: expected one of {list(CACHES)}, got {cache!r}")
+    if cache is None and max_cache_len is not None:
+        raise ValueError(f"max_cache_len: only used with cache='static', got {max_cache_len} with cache=None")
+    if cache is not None and max_batch is not None:
+        raise ValueError(f"max_batch: a cache export's batch is fixed to the example's, got max_batch={max_batch}")
     path = os.fspath(path)
-    meta = json.dumps(settings_of(model), sort_keys=True)
+    settings = settings_of(model)
     if format == "tensorrt":
-        settings = getattr(model, "sere_settings", None)
-        if settings is not None and settings.max_tokens is not None:
+        if cache is not None:
+            raise ValueError("cache: format 'tensorrt' does not carry a KV cache here; export cache='static' as "
+                             "'aoti' (CUDA too) or 'onnx' (ONNX Runtime's TensorRT provider), got cache='static'")
+        s = getattr(model, "sere_settings", None)
+        if s is not None and s.max_tokens is not None:
             raise ValueError(
                 f"max_tokens: format 'tensorrt' cannot carry the prefill/decode branch (torch.cond); export it "
-                f"re-routing every call (max_tokens=None), got {settings.max_tokens}"
+                f"re-routing every call (max_tokens=None), got {s.max_tokens}"
             )
         from sere_fx.exporters.tensorrt import export_tensorrt
 
-        return export_tensorrt(model, example_inputs, path, meta, max_batch=max_batch)
+        meta = json.dumps(settings, sort_keys=True)
+        return export_tensorrt(model, example_inputs, path, meta, max_batch=max_batch or 1024)
+    if cache is None:
+        return _write(format, path, settings, lambda: exported_program(model, example_inputs,
+                                                                       max_batch=max_batch or 1024), model)
+    from sere_fx.exporters import decoder
+
+    _check_exportable(model)
+    ids = _cache_inputs(model, example_inputs, max_cache_len)
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    settings["cache"] = {"kind": "static", "batch": int(ids.shape[0]), "max_cache_len": max_cache_len,
+                         "vocab_size": int(model.config.vocab_size),
+                         # greedy decoding stops as the model's generate does
+                         "eos_token_ids": [eos] if isinstance(eos, int) else list(eos or []),
+                         "pad_token_id": getattr(generation, "pad_token_id", None)}
+    if format == "onnx":
+        def program():
+            ep, past, present = decoder.export_explicit(model, ids, max_cache_len)
+            settings["cache"].update(past=past, present=present)
+            return ep, ["input_ids", "cache_position", *past], ["logits", *present]
+
+        return _write(format, path, settings, program, model)
+    return _write(format, path, settings, lambda: decoder.export_static(model, ids, max_cache_len), model)
+
+
+def _write(format: str, path: str, settings: dict, program, model: nn.Module) -> str:
+    """Trace with ``program()`` (an ExportedProgram, or for onnx also its input and output names)
+    and write the artifact with ``settings`` recorded in it."""
     if format == "onnx":
         from sere_fx.exporters.onnx import export_onnx
 
         # transformers' grouped_mm is a custom op ONNX cannot express; batched_mm is the same
         # math in standard ops.
         with _experts_implementation(model, "batched_mm"), torch.no_grad():
-            ep = exported_program(model, example_inputs, max_batch=max_batch)
-        return export_onnx(ep, path, meta)
+            traced = program()
+        ep, inputs, outputs = traced if isinstance(traced, tuple) else (traced, ["input_ids"], ["logits"])
+        return export_onnx(ep, path, json.dumps(settings, sort_keys=True), inputs, outputs)
     with torch.no_grad():
-        ep = exported_program(model, example_inputs, max_batch=max_batch)
+        ep = program()
+    meta = json.dumps(settings, sort_keys=True)
     if format == "pt2":
         torch.export.save(ep, path, extra_files={SETTINGS_KEY: meta})
         return path

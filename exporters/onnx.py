@@ -20,7 +20,8 @@ def _complex_node(ep: torch.export.ExportedProgram):
     return None
 
 
-def export_onnx(ep: torch.export.ExportedProgram, path: str, meta: str) -> str:
+def export_onnx(ep: torch.export.ExportedProgram, path: str, meta: str, input_names=("input_ids",),
+                output_names=("logits",)) -> str:
     import onnx
 
     node = _complex_node(ep)
@@ -32,7 +33,7 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str, meta: str) -> str:
 
     # Names ONNX Runtime users expect (the exporter would otherwise name the output after its last node).
     program = torch.onnx.export(ep.run_decompositions(decompositions()), dynamo=True, verbose=False,
-                                input_names=["input_ids"], output_names=["logits"])
+                                input_names=list(input_names), output_names=list(output_names))
     program.save(path)
     model = onnx.load(path)
     from sere_fx.exporters.export import SETTINGS_KEY

@@ -13,11 +13,7 @@ class CliError(Exception):
 
 
 def _load_model(path: str, dtype: str = "float32"):
-    if not os.path.isdir(path):
-        raise CliError(f"--model: expected a local transformers model directory, got {path!r} (no such directory)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CliError(f"--model: expected a transformers model directory with a config.json, got {path!r} "
-                       "(no config.json in it)")
+    _load_model_dir_checks(path)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,6 +23,14 @@ def _load_model(path: str, dtype: str = "float32"):
     except (OSError, ValueError, KeyError) as exc:
         raise CliError(f"--model: cannot load {path!r} as a causal LM with its tokenizer ({_first_line(exc)})") from exc
     return model, tokenizer
+
+
+def _load_model_dir_checks(path: str) -> None:
+    if not os.path.isdir(path):
+        raise CliError(f"--model: expected a local transformers model directory, got {path!r} (no such directory)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CliError(f"--model: expected a transformers model directory with a config.json, got {path!r} "
+                       "(no config.json in it)")
 
 
 def _load_sim(path: str | None, option: str = "--sim"):
@@ -220,6 +224,15 @@ def cmd_export(args) -> int:
         ok, why = available()
         if not ok:
             raise CliError(why)
+    if args.cache is None and args.max_cache_len is not None:
+        raise CliError(f"--max-cache-len: only used with --cache static, got {args.max_cache_len} without --cache")
+    if args.cache is not None:
+        if args.max_cache_len is None:
+            raise CliError("--max-cache-len: expected the cache length (prompt plus new tokens) with --cache static, "
+                           "got none")
+        if args.max_batch is not None:
+            raise CliError(f"--max-batch: a --cache static artifact decodes exactly --batch sequences, got "
+                           f"--max-batch {args.max_batch}")
     sim = _load_sim(args.sim)
     model, _ = _load_model(args.model, args.dtype)
     if args.experts_implementation:
@@ -228,9 +241,47 @@ def cmd_export(args) -> int:
         kwargs = {"plan": args.plan} if args.plan else {"policy": args.policy, "S": args.S, "rho": args.rho}
         sere_fx.transform(model, sim, max_tokens=args.max_tokens, **kwargs)
     example = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
-    path = export(model, example, args.out, format=args.format, max_batch=args.max_batch)
+    path = export(model, example, args.out, format=args.format, max_batch=args.max_batch, cache=args.cache,
+                  max_cache_len=args.max_cache_len)
     what = model.sere_settings.as_dict() if sere_fx.is_transformed(model) else "untransformed"
-    print(f"wrote {path} ({args.format}; sequence length {args.seq_len}, batch 1..{args.max_batch}; {what})")
+    shape = (f"KV cache of {args.max_cache_len} positions, batch {args.batch} (fixed)" if args.cache else
+             f"sequence length {args.seq_len}, batch 1..{args.max_batch or 1024}")
+    print(f"wrote {path} ({args.format}; {shape}; {what})")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from sere_fx.exporters import load
+
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens: expected a positive integer, got {args.max_new_tokens}")
+    if not os.path.isfile(args.artifact):
+        raise CliError(f"--artifact: no file at {args.artifact!r}")
+    _load_model_dir_checks(args.model)
+    try:
+        runner = load(args.artifact)
+    except ValueError as exc:
+        raise CliError(f"--artifact: {str(exc).removeprefix('path: ')}") from exc
+    if len(args.prompt) != runner.batch:
+        raise CliError(f"--prompt: {args.artifact} decodes batches of exactly {runner.batch} prompts (fixed at export "
+                       f"with --batch), got {len(args.prompt)}")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in args.prompt]
+    lengths = sorted({len(e) for e in encoded})
+    if len(lengths) != 1 or lengths[0] == 0:
+        raise CliError(f"--prompt: a static-cache artifact takes prompts of one token length (no padding), got "
+                       f"lengths {[len(e) for e in encoded]}")
+    if lengths[0] + args.max_new_tokens > runner.max_cache_len:
+        raise CliError(f"--max-new-tokens: {lengths[0]} prompt tokens plus {args.max_new_tokens} new ones need "
+                       f"{lengths[0] + args.max_new_tokens} cache positions; {args.artifact} has {runner.max_cache_len}")
+    tokens = runner.generate(torch.tensor(encoded), max_new_tokens=args.max_new_tokens)
+    for row in tokens:
+        print(tokenizer.decode(row, skip_special_tokens=True))
+        if len(tokens) > 1:
+            print("---")
     return 0
 
 
@@ -321,8 +372,15 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--plan", help="a plan from `sere-fx tune` (replaces --policy/--S/--rho)")
     x.add_argument("--format", choices=["pt2", "aoti", "onnx", "tensorrt"], required=True)
     x.add_argument("--seq-len", type=int, default=1, help="sequence length of the exported graph (default 1: decode)")
-    x.add_argument("--batch", type=int, default=2, help="example batch size (the artifact's batch is dynamic)")
-    x.add_argument("--max-batch", type=int, default=1024)
+    x.add_argument("--batch", type=int, default=2,
+                   help="example batch size: the artifact's batch is dynamic, except with --cache static, where it is "
+                        "fixed to this (default 2)")
+    x.add_argument("--max-batch", type=int, default=None, help="largest batch of a logits-only artifact (default 1024)")
+    x.add_argument("--cache", choices=["static"], default=None,
+                   help="export a decoder with a KV cache that runs the decode loop (sere-fx generate); default: "
+                        "input_ids -> logits, no cache")
+    x.add_argument("--max-cache-len", type=int, default=None,
+                   help="with --cache static: cache positions, i.e. the longest prompt plus new tokens")
     x.add_argument("--max-tokens", type=_max_tokens, default=256,
                    help="calls with more tokens keep the model's routing, decided per call inside the artifact "
                         "(default 256, as transform); 'none' re-routes every call (needed for --policy topk and "
@@ -334,6 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_export)
 
     from sere_fx import layer_bench
+
+    g = sub.add_parser("generate", help="greedy text from a --cache static artifact, in the artifact's own runtime")
+    g.add_argument("--artifact", required=True, help="a file from `sere-fx export --cache static` (pt2, aoti, onnx)")
+    g.add_argument("--model", required=True, help="the model directory the artifact came from (for its tokenizer)")
+    g.add_argument("--prompt", required=True, action="append",
+                   help="prompt text; repeat it: exactly the artifact's batch of prompts, all of one token length")
+    g.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="time one MoE layer at real sizes: baseline vs policies, against the limit",
                        description=layer_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
