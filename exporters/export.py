@@ -76,8 +76,8 @@ def _check_exportable(model: nn.Module) -> None:
 
 def exported_program(model: nn.Module, example_inputs, *, max_batch: int = 1024) -> torch.export.ExportedProgram:
     """``torch.export`` of the model's logits (transformers models) with a dynamic batch dim."""
-    _check_exportable(model)
     args = _as_args(example_inputs)
+    _check_exportable(model)
     if getattr(model, "config", None) is not None and hasattr(model, "generate"):
         module = LogitsOnly(model).eval()
         if len(args) != 1:

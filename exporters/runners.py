@@ -48,6 +48,9 @@ class Runner:
         if batch != self.batch:
             raise ValueError(f"input_ids: {self.path} decodes batches of exactly {self.batch} sequences (fixed at "
                              f"export), got {batch}")
+        if length >= self.max_cache_len:
+            raise ValueError(f"input_ids: a prompt of {length} tokens leaves no room for new ones in the "
+                             f"{self.max_cache_len}-position cache of {self.path}")
         if length + max_new_tokens > self.max_cache_len:
             raise ValueError(f"max_new_tokens: a prompt of {length} tokens plus {max_new_tokens} new ones needs "
                              f"{length + max_new_tokens} cache positions; {self.path} has {self.max_cache_len}")

@@ -97,6 +97,11 @@ def test_mistakes(testbed, tmp_path):
     with pytest.raises(ValueError, match=r"max_new_tokens: a prompt of 8 tokens plus 16 new ones needs 24 cache "
                                          r"positions; .* has 20"):
         runner.generate(prompts, 16)
+    with pytest.raises(ValueError, match=r"input_ids: a prompt of 20 tokens leaves no room for new ones in the "
+                                         r"20-position cache"):
+        runner.generate(torch.cat([prompts] * 3, dim=1)[:, :20], 1)
+    with pytest.raises(ValueError, match=r"cache: format 'tensorrt' does not carry a KV cache here"):
+        exporters.export(model, prompts, tmp_path / "x.ts", format="tensorrt", cache="static", max_cache_len=20)
     with pytest.raises(FileNotFoundError, match=r"path: no artifact at"):
         exporters.load(tmp_path / "missing.pt2")
     with pytest.raises(ValueError, match=r"max_cache_len: expected an int >= 2 with cache='static', got None"):
