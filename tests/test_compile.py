@@ -48,7 +48,7 @@ def test_fullgraph_decode_step_of_every_family(family):
     assert (got - original).abs().max() > 1e-3, "routing must really differ from the untransformed model"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])  # sorted and unsorted top-k routers
 def test_inductor_backend_matches_eager_at_two_batch_sizes(family):
     torch._dynamo.reset()
     model, sim, ref = _pair(family, max_tokens=None)

@@ -13,7 +13,7 @@ from sere_fx import exporters
 from sere_fx.discovery import find_moe_layers
 from tiny_models import random_similarity, tiny_model
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v2"]
+FAMILIES = ["qwen3_moe", "deepseek_v2"]  # qwen2_moe: the ONNX tests
 
 
 def _models(family):
@@ -48,8 +48,12 @@ def test_pt2(family, tmp_path):
     sims = [s for s in ep.graph_signature.buffers_to_mutate.values()] + list(ep.state_dict)
     assert sum("sere_similarity" in s for s in sims) == len(ops)
     _check(lambda ids: ep.module()(ids), model, original)
+    settings = exporters.read_settings(path)
+    assert settings["sere_fx"] and settings["policy"] == "sere" and settings["layers"]["1"]["S"] == 1
+    assert settings["similarity_fingerprint"] == model.sere_settings.similarity_fingerprint
+    if family != "qwen3_moe":
+        return
     # as the README says: a fresh process loads it after `import sere_fx`
-
     ids = _batches()[1]
     torch.save(ids, tmp_path / "ids.pt")
     code = (f"import torch, sere_fx; ids = torch.load({str(tmp_path / 'ids.pt')!r}); "
@@ -58,12 +62,9 @@ def test_pt2(family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(ids, use_cache=False).logits, atol=1e-4,
                                    rtol=0)
-    settings = exporters.read_settings(path)
-    assert settings["sere_fx"] and settings["policy"] == "sere" and settings["layers"]["1"]["S"] == 1
-    assert settings["similarity_fingerprint"] == model.sere_settings.similarity_fingerprint
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])  # qwen3_moe: the README test and the settings tests
 def test_onnx_runs_in_plain_onnxruntime(family, tmp_path):
     import onnx
     import onnxruntime as ort
