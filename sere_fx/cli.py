@@ -190,10 +190,12 @@ def cmd_tune(args) -> int:
     sim = _load_sim(args.sim)
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
-    result = tune(model, sim, windows, max_loss=args.max_loss, metric=args.metric, batch_size=args.batch_size,
+    result = tune(model, sim, windows, max_loss=args.max_loss, max_experts=args.max_experts, metric=args.metric,
+                  batch_size=args.batch_size,
                   prefill=args.prefill, max_tokens=args.max_tokens)
     print(result.summary())
-    save_plan(args.out, result.plan, tuned={"metric": result.metric, "max_loss": result.max_loss, "loss": result.loss,
+    save_plan(args.out, result.plan, tuned={"metric": result.metric, "max_loss": result.max_loss,
+                                            "max_experts": result.max_experts, "loss": result.loss,
                                             "distinct": result.distinct, "baseline_distinct": result.baseline_distinct,
                                             "data": str(args.data), "token_range": args.token_range,
                                             "sequences": int(windows.shape[0])})
@@ -350,9 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", required=True, help="a local transformers model directory")
     t.add_argument("--sim", required=True, help="similarity file")
     _data_args(t, 96)
-    t.add_argument("--max-loss", type=float, default=0.02,
-                   help="quality budget: mean NLL increase in nats/token (--metric nll, default 0.02) "
-                        "or relative accuracy drop (--metric accuracy)")
+    budget = t.add_mutually_exclusive_group()
+    budget.add_argument("--max-loss", type=float, default=None,
+                        help="quality budget, for the fewest experts within it: mean NLL increase in nats/token "
+                             "(--metric nll; default 0.02 when no budget is given) or relative accuracy drop "
+                             "(--metric accuracy)")
+    budget.add_argument("--max-experts", type=float, default=None, metavar="F",
+                        help="expert budget, for the best quality within it: at most F times the baseline's distinct "
+                             "experts per layer per decode step (0 < F <= 1; e.g. 0.6 reads 40%% fewer)")
     t.add_argument("--metric", choices=["nll", "accuracy"], default="nll")
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--prefill", type=int, default=4)

@@ -72,13 +72,17 @@ class TuneResult:
     distinct: float  # mean distinct experts per layer per step, whole plan
     baseline_distinct: float
     metric: str
-    max_loss: float
+    max_loss: float | None  # the quality budget, or None when tuned for an expert budget
     probes: list[Probe] = field(default_factory=list)
     rounds: int = 1
+    max_experts: float | None = None  # the expert budget (fraction of the baseline's), or None
 
     def summary(self) -> str:
-        lines = [f"tuned plan ({self.metric} loss {self.loss:+.4f} <= {self.max_loss}; "
-                 f"experts/layer {self.distinct:.1f} vs {self.baseline_distinct:.1f}, "
+        if self.max_experts is None:
+            head = f"{self.metric} loss {self.loss:+.4f} <= {self.max_loss}"
+        else:
+            head = f"experts <= {self.max_experts:g} x baseline; {self.metric} loss {self.loss:+.4f}"
+        lines = [f"tuned plan ({head}; experts/layer {self.distinct:.1f} vs {self.baseline_distinct:.1f}, "
                  f"{100 * (self.distinct / self.baseline_distinct - 1):+.1f}%):"]
         for i, lp in sorted(self.plan.items()):
             rho = "" if lp.rho is None else f", rho={lp.rho:.3f}"
@@ -106,6 +110,31 @@ def _choose(options: dict[int, list[Probe]], budget: float, resolution: int = 40
     return {p.layer: p for p in picks}
 
 
+def _choose_within(options: dict[int, list[Probe]], max_distinct: float, resolution: int = 2000) -> dict[int, Probe] | None:
+    """The dual knapsack: one probe per layer, min sum(loss) s.t. sum(distinct) <= max_distinct.
+
+    Losses are clamped at 0 as in ``_choose``; among equal losses the fewer experts win.
+    None when no choice fits.
+    """
+    step = max_distinct / resolution
+    best: dict[int, tuple[float, float, list[Probe]]] = {0: (0.0, 0.0, [])}  # distinct bin -> (loss, distinct, picks)
+    for layer in sorted(options):
+        nxt: dict[int, tuple[float, float, list[Probe]]] = {}
+        for used, (loss, dist, picks) in best.items():
+            for p in options[layer]:
+                total = used + math.ceil(p.distinct / step - 1e-9)
+                if total > resolution:
+                    continue
+                cand = (loss + max(p.loss, 0.0), dist + p.distinct, picks + [p])
+                if total not in nxt or cand[:2] < nxt[total][:2]:
+                    nxt[total] = cand
+        best = nxt
+    if not best:
+        return None
+    _, _, picks = min(best.values(), key=lambda v: v[:2])
+    return {p.layer: p for p in picks}
+
+
 def _uniform_plans(jobs, layers) -> list[dict[int, LayerPlan]]:
     """One plan per candidate, applied to every layer (rho resolved per layer)."""
     per_layer = {}
@@ -117,18 +146,31 @@ def _uniform_plans(jobs, layers) -> list[dict[int, LayerPlan]]:
     return [{i: per_layer[i][j] for i in per_layer} for j in range(counts.pop())]
 
 
-def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float = 0.02, metric: str = "nll",
-         candidates=None, batch_size: int = 32, prefill: int = 4, max_tokens: int | None = None,
-         verify_rounds: int = 8, progress: bool = True) -> TuneResult:
+def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None = None,
+         max_experts: float | None = None, metric: str = "nll", candidates=None, batch_size: int = 32,
+         prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True) -> TuneResult:
     """Per-layer (policy, S, rho) for ``model`` on tuning ``windows``; see the module doc.
 
+    Two budgets, give one: ``max_loss`` (default 0.02 when neither is given): the fewest experts
+    whose loss stays within it; ``max_experts`` (a fraction of the baseline's distinct experts
+    per layer per decode step, in (0, 1]): the lowest loss whose measured distinct experts stay
+    within it (a speed target: the dual knapsack ``_choose_within`` in step 2).
     ``candidates``: ``[(policy, S, rho), ...]`` tried on every layer (default
     ``default_candidates``). The untouched setting is always a choice. ``verify_rounds``:
     whole-plan evaluations in the budget search (step 3).
     """
     if metric not in METRICS:
         raise ValueError(f"metric: expected one of {list(METRICS)}, got {metric!r}")
-    if not (isinstance(max_loss, (int, float)) and math.isfinite(max_loss) and max_loss >= 0):
+    if max_loss is not None and max_experts is not None:
+        raise ValueError(f"max_experts: give a quality budget (max_loss) or an expert budget (max_experts), not both; "
+                         f"got max_loss={max_loss!r} and max_experts={max_experts!r}")
+    if max_experts is not None:
+        if not (isinstance(max_experts, (int, float)) and not isinstance(max_experts, bool)
+                and math.isfinite(max_experts) and 0 < max_experts <= 1):
+            raise ValueError(f"max_experts: expected a fraction of the baseline's experts in (0, 1], got {max_experts!r}")
+    elif max_loss is None:
+        max_loss = 0.02
+    if max_loss is not None and not (isinstance(max_loss, (int, float)) and math.isfinite(max_loss) and max_loss >= 0):
         raise ValueError(f"max_loss: expected a finite number >= 0, got {max_loss!r}")
     layers = find_moe_layers(model)
     sim = as_similarity(sim)
@@ -165,34 +207,56 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float = 0.02
         options[index].append(Probe(index, lp, _loss(base, s, metric), s.distinct[index]))
         if bar is not None:
             bar.update(1)
-    best = (untouched, 0.0, base)  # the untouched model is always within budget
+    base_distinct = float(sum(base.distinct.values()) / len(base.distinct))
+    target = None if max_experts is None else max_experts * base_distinct  # mean distinct per layer
+
+    def better(loss: float, s: DecodeScores, than) -> bool:
+        """Within the budget, and better than ``than`` (None: nothing yet) at the tuned goal."""
+        if target is None:
+            return loss <= max_loss and (than is None or s.mean_distinct < than[2].mean_distinct)
+        return s.mean_distinct <= target + 1e-9 and (than is None or (loss, s.mean_distinct) < (than[1], than[2].mean_distinct))
+
+    # the untouched model is always within a quality budget, never within an expert budget < 1
+    best = (untouched, 0.0, base) if better(0.0, base, None) else None
     tried = {}
     for plan in uniform:
         s = tried[tuple(sorted(plan.items()))] = run(plan)
         loss = _loss(base, s, metric)
-        if loss <= max_loss and s.mean_distinct < best[2].mean_distinct:
+        if better(loss, s, best):
             best = (plan, loss, s)
         if bar is not None:
             bar.update(1)
-    budget, rounds = max_loss, 0
+    budget = max_loss if target is None else target * len(layers)
+    rounds = 0
     while rounds < verify_rounds:
         rounds += 1
-        plan = {i: p.plan for i, p in _choose(options, budget).items()}
+        picks = _choose(options, budget) if target is None else _choose_within(options, budget)
+        if picks is None:
+            break
+        plan = {i: p.plan for i, p in picks.items()}
         key = tuple(sorted(plan.items()))
         if key in tried:
             break  # the search settled on a plan already measured
         s = tried[key] = run(plan)
         loss = _loss(base, s, metric)
-        if loss <= max_loss and s.mean_distinct < best[2].mean_distinct:
+        if better(loss, s, best):
             best = (plan, loss, s)
         if bar is not None:
             bar.update(1)
-        # secant step: the internal budget at which the whole plan would cost exactly max_loss
-        scale = max_loss / loss if loss > 0 else 2.0
-        budget = budget * min(max(scale, 0.5), 2.0) * (0.98 if loss > max_loss else 1.0)
+        if target is None:
+            # secant step: the internal budget at which the whole plan would cost exactly max_loss
+            scale = max_loss / loss if loss > 0 else 2.0
+            budget = budget * min(max(scale, 0.5), 2.0) * (0.98 if loss > max_loss else 1.0)
+        else:
+            # layers interact: scale the summed per-layer budget by how far the whole plan missed
+            budget = budget * min(target / s.mean_distinct, 1.05) * (0.99 if s.mean_distinct > target else 1.0)
     if bar is not None:
         bar.close()
+    if best is None:
+        smallest = min(s.mean_distinct for s in tried.values()) if tried else base_distinct
+        raise ValueError(f"max_experts: no plan of these candidates reads at most {max_experts:g} of the baseline's "
+                         f"{base_distinct:.1f} experts per layer (the fewest measured: {smallest:.1f}); allow more "
+                         f"experts or add candidates that read fewer, e.g. ('oea', 1, None)")
     plan, loss, s = best
-    base_distinct = float(sum(base.distinct.values()) / len(base.distinct))
     return TuneResult(plan, loss, s.mean_distinct, base_distinct, metric, max_loss,
-                      [p for ps in options.values() for p in ps], rounds)
+                      [p for ps in options.values() for p in ps], rounds, max_experts)

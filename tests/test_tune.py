@@ -87,3 +87,53 @@ def test_bad_arguments(setup):
         tune(model, sim, windows, max_loss=-1)
     with pytest.raises(ValueError, match=r"candidates: S=9 is outside \[1, 4\]"):
         tune(model, sim, windows, candidates=[("oea", 9, None)], progress=False, batch_size=6, prefill=2)
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_choose_within_matches_brute_force(seed):
+    from sere_fx.tune import _choose_within
+
+    rng = random.Random(seed)
+    options = {layer: [Probe(layer, LayerPlan("sere", 8, 0.0), 0.0, 60.0)] + [
+        Probe(layer, LayerPlan("oea", s, None), rng.uniform(-0.002, 0.03), rng.uniform(20, 60)) for s in range(1, 5)
+    ] for layer in range(3)}
+    budget = rng.uniform(70, 170)
+    fits = [c for c in itertools.product(*options.values()) if sum(p.distinct for p in c) <= budget]
+    picks = _choose_within(options, budget, resolution=20000)
+    if not fits:
+        assert picks is None
+        return
+    best = min(sum(max(p.loss, 0) for p in c) for c in fits)
+    assert sum(p.distinct for p in picks.values()) <= budget * (1 + 1e-3)
+    assert sum(max(p.loss, 0) for p in picks.values()) == pytest.approx(best, abs=1e-9)
+
+
+def test_expert_budget_plan_is_within_budget_when_measured_independently(setup):
+    model, sim, windows = setup
+    cands = [("oea", 1, None), ("oea", 2, None), ("sere", 1, 0.0)]
+    result = tune(model, sim, windows, max_experts=0.8, batch_size=6, prefill=2, candidates=cands, progress=False)
+    assert result.max_experts == 0.8 and result.max_loss is None
+    base = decode_scores(model, windows, batch_size=6, prefill=2, progress=False)
+    measured = {}
+    for name, kwargs in (("plan", dict(plan=result.plan)), ("oea1", dict(policy="oea", S=1)),
+                         ("oea2", dict(policy="oea", S=2))):
+        sere_fx.transform(model, sim if name == "plan" else None, max_tokens=None, **kwargs)
+        try:
+            measured[name] = decode_scores(model, windows, batch_size=6, prefill=2, progress=False)
+        finally:
+            sere_fx.restore(model)
+    s = measured["plan"]
+    assert s.mean_distinct <= 0.8 * base.mean_distinct + 1e-9 and s.mean_distinct == pytest.approx(result.distinct)
+    assert s.mean_nll - base.mean_nll == pytest.approx(result.loss, abs=1e-9)
+    # never worse than a uniform setting that fits the same budget
+    for u in (measured["oea1"], measured["oea2"]):
+        if u.mean_distinct <= 0.8 * base.mean_distinct:
+            assert result.loss <= u.mean_nll - base.mean_nll + 1e-9
+    with pytest.raises(ValueError, match=r"max_experts: no plan of these candidates reads at most 0.01 of the "
+                                         r"baseline's"):
+        tune(model, sim, windows, max_experts=0.01, batch_size=6, prefill=2, candidates=cands[:1], progress=False)
+    with pytest.raises(ValueError, match=r"max_experts: give a quality budget \(max_loss\) or an expert budget"):
+        tune(model, sim, windows, max_loss=0.1, max_experts=0.5)
+    with pytest.raises(ValueError, match=r"max_experts: expected a fraction of the baseline's experts in \(0, 1\], "
+                                         r"got 1.5"):
+        tune(model, sim, windows, max_experts=1.5)
