@@ -78,8 +78,9 @@ def main() -> int:
                 runner = exporters.load(path)
                 sides.append(lambda r=runner: r.generate(prompts, NEW))
             runtimes[name] = tuple(sides)
+        reference = eager(plain)()
         for name, (base, pol) in runtimes.items():
-            assert torch.equal(base(), eager(plain)()), f"{name}: baseline tokens differ from the plain model's"
+            assert torch.equal(base(), reference), f"{name}: baseline tokens differ from the plain model's"
             pol()  # warm-up
             tb, tp = [], []
             for i in range(args.repeats):

@@ -140,11 +140,10 @@ def export(model: nn.Module, example_inputs, path: str | os.PathLike, format: st
         if cache is not None:
             raise ValueError("cache: format 'tensorrt' does not carry a KV cache here; export cache='static' as "
                              "'aoti' (CUDA too) or 'onnx' (ONNX Runtime's TensorRT provider), got cache='static'")
-        s = getattr(model, "sere_settings", None)
-        if s is not None and s.max_tokens is not None:
+        if settings.get("max_tokens") is not None:
             raise ValueError(
                 f"max_tokens: format 'tensorrt' cannot carry the prefill/decode branch (torch.cond); export it "
-                f"re-routing every call (max_tokens=None), got {s.max_tokens}"
+                f"re-routing every call (max_tokens=None), got {settings['max_tokens']}"
             )
         from sere_fx.exporters.tensorrt import export_tensorrt
 
@@ -212,11 +211,21 @@ def read_settings(path: str | os.PathLike) -> dict:
         extra = {SETTINGS_KEY: ""}
         torch.jit.load(path, _extra_files=extra, map_location="cpu")
         return json.loads(extra[SETTINGS_KEY])
+    settings = pt2_settings(path)
+    return settings if settings is not None else package_settings(torch._inductor.aoti_load_package(path))
+
+
+def pt2_settings(path: str) -> dict | None:
+    """The settings a pt2 file keeps as an extra file; None for any other zip (an aoti package)."""
     import zipfile
 
     with zipfile.ZipFile(path) as z:
         for name in z.namelist():
             if name.endswith("extra/" + SETTINGS_KEY):
                 return json.loads(z.read(name))
-    loader = torch._inductor.aoti_load_package(path)
+    return None
+
+
+def package_settings(loader) -> dict:
+    """The settings a loaded AOTInductor package keeps in its metadata."""
     return json.loads(loader.get_metadata()[SETTINGS_KEY])

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from sere_fx.exporters.export import read_settings
+from sere_fx.exporters.export import package_settings, pt2_settings, read_settings
 
 
 class Runner:
@@ -110,16 +110,17 @@ class OnnxRunner(Runner):
 def load(path: str | os.PathLike) -> Runner:
     """A greedy runner for a decode artifact written by ``export(..., cache="static")``."""
     path = os.fspath(path)
-    settings = read_settings(path)
+    package = None
+    if path.endswith((".onnx", ".ts")) or not os.path.isfile(path):
+        settings = read_settings(path)
+    else:
+        settings = pt2_settings(path)
+        if settings is None:  # an AOTInductor package: loaded once, for its metadata and to run
+            package = torch._inductor.aoti_load_package(path)
+            settings = package_settings(package)
     if "cache" not in settings:
         raise ValueError(f"path: {path!r} maps input_ids to logits with no KV cache (exported with cache=None); "
                          "export it with cache='static' to decode with it")
     if path.endswith(".onnx"):
         return OnnxRunner(path, settings)
-    import zipfile
-
-    with zipfile.ZipFile(path) as z:
-        aoti = any(name.endswith(".so") or "/aotinductor/" in name for name in z.namelist())
-    if aoti:
-        return ProgramRunner(path, settings, torch._inductor.aoti_load_package(path))
-    return ProgramRunner(path, settings, torch.export.load(path).module())
+    return ProgramRunner(path, settings, package if package is not None else torch.export.load(path).module())
