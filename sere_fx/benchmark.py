@@ -42,14 +42,9 @@ def time_fn(fn, repeats: int = 10, warmup: int = 2) -> Timing:
     return Timing.of(samples)
 
 
-@torch.no_grad()
-def decode_step_timing(model: nn.Module, batch: torch.Tensor, *, context: int = 16, steps: int = 16,
-                       repeats: int = 5) -> Timing:
-    """Time per single-token decode step of ``batch`` (``[B, >= context + steps]``) with a KV cache.
-
-    Each repeat prefills ``context`` tokens (bypassing re-routing, untimed) and times
-    ``steps`` decode steps; the figure is per step.
-    """
+def _step_timer(model: nn.Module, batch: torch.Tensor, context: int, steps: int):
+    """A callable that prefills ``context`` tokens (bypassing re-routing, untimed) and returns the
+    seconds per decode step over the next ``steps`` tokens of ``batch``."""
     from sere_fx.evaluate import CachedDecode
 
     if batch.shape[1] < context + steps:
@@ -64,8 +59,7 @@ def decode_step_timing(model: nn.Module, batch: torch.Tensor, *, context: int = 
             decoder.step(batch[:, t : t + 1])
         return (time.perf_counter() - start) / steps
 
-    one()  # warm-up
-    return Timing.of([one() for _ in range(repeats)])
+    return one
 
 
 @dataclass
@@ -82,25 +76,26 @@ class PairedTiming:
 
 
 @torch.no_grad()
-def paired_decode_timing(model: nn.Module, batch: torch.Tensor, *, repeats: int = 9, **kwargs) -> PairedTiming:
+def paired_decode_timing(model: nn.Module, batch: torch.Tensor, *, repeats: int = 9, context: int = 16,
+                         steps: int = 16) -> PairedTiming:
     """Decode-step timing of a transformed ``model``: its own routing (under ``sere_fx.bypass``)
     against its policy, alternating which side runs first in each repeat, after a warm-up of both.
-    ``kwargs`` as for ``decode_step_timing`` (context, steps)."""
+    Each sample prefills ``context`` tokens (untimed) and times ``steps`` decode steps."""
     from sere_fx.policies import bypass
+
+    one = _step_timer(model, batch, context, steps)
 
     def baseline() -> float:
         with bypass():
-            return decode_step_timing(model, batch, repeats=1, **kwargs).median_s
+            return one()
 
-    def policy() -> float:
-        return decode_step_timing(model, batch, repeats=1, **kwargs).median_s
-
+    baseline(), one()  # warm-up
     base, pol = [], []
     for i in range(repeats):
         if i % 2 == 0:
             base.append(baseline())
-            pol.append(policy())
+            pol.append(one())
         else:
-            pol.append(policy())
+            pol.append(one())
             base.append(baseline())
     return PairedTiming(Timing.of(base), Timing.of(pol), Timing.of([b / p for b, p in zip(base, pol)]))
