@@ -217,6 +217,7 @@ def cmd_export(args) -> int:
 
     import sere_fx
     from sere_fx.exporters import export
+    from sere_fx.policies import TOPK_POLICIES
 
     if (failed := _output_dir_missing("export", args.out)) is not None:
         return failed
@@ -239,8 +240,8 @@ def cmd_export(args) -> int:
     model, _ = _load_model(args.model, args.dtype)
     if args.experts_implementation:
         model.set_experts_implementation(args.experts_implementation)
-    if args.sim is not None or args.policy in ("topk", "oea") or args.plan:
-        kwargs = {"plan": args.plan} if args.plan else {"policy": args.policy, "S": args.S, "rho": args.rho}
+    if args.sim is not None or args.policy in TOPK_POLICIES or args.plan:
+        kwargs = {"plan": args.plan} if args.plan else {"policy": args.policy, "S": args.S, "rho": args.rho, "N": args.N}
         sere_fx.transform(model, sim, max_tokens=args.max_tokens, **kwargs)
     example = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     path = export(model, example, args.out, format=args.format, max_batch=args.max_batch, cache=args.cache,
@@ -338,8 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefill", type=int, default=4, help="tokens prefilled with the model's own routing (default 4)")
     e.add_argument("--steps", type=int, default=96, help="scored decode steps per sequence (default 96)")
     e.add_argument("--policies", nargs="+", default=None, metavar="SPEC",
-                   help="baseline, sere:S=2,rho=0.5, sere:S=2,rho=q0.3, topk:S=2, oea:S=2, random:S=2,rho=0, "
-                        "least_similar:S=2,rho=0, plan:PATH (default: the standard comparison set)")
+                   help="baseline, sere:S=2,rho=0.5, sere:S=2,rho=q0.3, topk:S=2, oea:S=2, weight:S=1,N=36, "
+                        "weight:S=1,rho=0.05, random:S=2,rho=0, least_similar:S=2,rho=0, plan:PATH "
+                        "(default: the standard comparison set)")
     e.add_argument("--max-tokens", type=_max_tokens, default=None,
                    help="passed to transform (default None: every decode step is re-routed)")
     e.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),
@@ -371,12 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("export", help="write a deployable artifact (pt2, aoti, onnx, tensorrt)")
     x.add_argument("--model", required=True, help="a local transformers model directory")
-    x.add_argument("--sim", help="similarity file; without it (and without --plan / a topk or oea --policy) the "
-                                 "model is exported untransformed")
-    x.add_argument("--policy", default="sere", choices=["sere", "least_similar", "random", "topk", "oea"])
+    x.add_argument("--sim", help="similarity file; without it (and without --plan / a topk, oea or weight --policy) "
+                                 "the model is exported untransformed")
+    x.add_argument("--policy", default="sere", help="sere (default), least_similar, random, topk, oea or weight")
     x.add_argument("--S", type=int, default=2)
-    x.add_argument("--rho", type=float, default=None, help="default 0.5 for sere")
-    x.add_argument("--plan", help="a plan from `sere-fx tune` (replaces --policy/--S/--rho)")
+    x.add_argument("--rho", type=float, default=None,
+                   help="sere: similarity threshold (default 0.5); weight: importance threshold (default none)")
+    x.add_argument("--N", type=int, default=None, help="weight: at most N distinct experts per layer per call")
+    x.add_argument("--plan", help="a plan from `sere-fx tune` (replaces --policy/--S/--rho/--N)")
     x.add_argument("--format", choices=["pt2", "aoti", "onnx", "tensorrt"], required=True)
     x.add_argument("--seq-len", type=int, default=1, help="sequence length of the exported graph (default 1: decode)")
     x.add_argument("--batch", type=int, default=2,

@@ -55,12 +55,12 @@ def _inductor(gm, example_inputs):
 class SereBackend:
     """``torch.compile(model, backend=SereBackend(sim, ...))``; see ``sere_fx.backend``."""
 
-    def __init__(self, sim, S=2, rho=None, *, policy="sere", max_tokens=DEFAULT_MAX_TOKENS, plan=None,
+    def __init__(self, sim, S=2, rho=None, *, policy="sere", N=None, max_tokens=DEFAULT_MAX_TOKENS, plan=None,
                  inner=_inductor):
         self.sim = as_similarity(sim) if sim is not None else None
         if plan is not None:
-            policy, S, rho = plan_settings(plan, policy, S, rho)
-        self.policy, self.S, self.rho, self.max_tokens = policy, S, rho, max_tokens
+            policy, S, rho, N = plan_settings(plan, policy, S, rho, N)
+        self.policy, self.S, self.rho, self.N, self.max_tokens = policy, S, rho, N, max_tokens
         self.inner = inner
         self.sites_rewritten = 0
         self.layers_seen: set[int] = set()
@@ -93,7 +93,7 @@ class SereBackend:
         layers = [found[i][1] for i in sorted(found)]
         matrices = {i: self.sim[i] for i in found} if self.sim is not None else None
         plan = build_plan(layers, _restrict(self.policy, found), _restrict(self.S, found), _restrict(self.rho, found),
-                          matrices)
+                          matrices, _restrict(self.N, found))
         for index, (site, layer) in sorted(found.items()):
             lp = plan[index]
             if lp.policy == "random":
@@ -109,8 +109,7 @@ class SereBackend:
                     from torch._dynamo.source import ConstantSource
 
                     sources[name] = ConstantSource(name)
-            insert_policy(gm.graph, site, lp.policy, lp.S, lp.rho, self.max_tokens, SiteAttrs(similarity=name),
-                          where=layer.name)
+            insert_policy(gm.graph, site, lp, self.max_tokens, SiteAttrs(similarity=name), where=layer.name)
         gm.graph.lint()
         gm.recompile()
         self.layers_seen |= set(found)
@@ -131,9 +130,9 @@ def _n_experts(node: fx.Node):
     return shape[-1] if shape else None
 
 
-def backend(sim, S=2, rho=None, *, policy="sere", max_tokens=DEFAULT_MAX_TOKENS, plan=None) -> SereBackend:
+def backend(sim, S=2, rho=None, *, policy="sere", N=None, max_tokens=DEFAULT_MAX_TOKENS, plan=None) -> SereBackend:
     """A ``torch.compile`` backend applying the SERE pass (same arguments as ``transform``)."""
-    return SereBackend(sim, S, rho, policy=policy, max_tokens=max_tokens, plan=plan)
+    return SereBackend(sim, S, rho, policy=policy, N=N, max_tokens=max_tokens, plan=plan)
 
 
 def _contains_policy_calls(gm: fx.GraphModule) -> bool:

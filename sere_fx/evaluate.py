@@ -45,7 +45,8 @@ class PolicySpec:
 
 def parse_policy(text: str) -> PolicySpec:
     """``baseline``, ``sere:S=2,rho=0.5``, ``sere:S=2,rho=q0.3`` (quantile), ``topk:S=2``,
-    ``oea:S=2``, ``random:S=2,rho=0``, ``least_similar:S=2,rho=0``, ``plan:PATH``."""
+    ``oea:S=2``, ``weight:S=1,N=36``, ``weight:S=1,rho=0.05``, ``random:S=2,rho=0``,
+    ``least_similar:S=2,rho=0``, ``plan:PATH``."""
     text = text.strip()
     if text == "baseline":
         return PolicySpec("baseline", None)
@@ -59,17 +60,18 @@ def parse_policy(text: str) -> PolicySpec:
     kwargs: dict = {"policy": name}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or key not in ("S", "rho"):
-            raise ValueError(f"policy: expected settings S=<int>, rho=<float> or rho=q<quantile>, got {item!r} in {text!r}")
+        if not eq or key not in ("S", "rho", "N"):
+            raise ValueError(f"policy: expected settings S=<int>, rho=<float>, rho=q<quantile> or N=<int>, "
+                             f"got {item!r} in {text!r}")
         try:
-            if key == "S":
-                kwargs["S"] = int(value)
+            if key in ("S", "N"):
+                kwargs[key] = int(value)
             elif value.startswith("q"):
                 kwargs["rho"] = Quantile(float(value[1:]))
             else:
                 kwargs["rho"] = float(value)
         except ValueError as exc:
-            wanted = "an int" if key == "S" else "a float or q<quantile in [0, 1]>"
+            wanted = "an int" if key in ("S", "N") else "a float or q<quantile in [0, 1]>"
             raise ValueError(f"policy: expected {key}={wanted}, got {item!r} in {text!r} ({exc})") from None
     return PolicySpec(text, kwargs)
 

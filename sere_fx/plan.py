@@ -1,4 +1,4 @@
-"""Per-layer routing settings: which policy, S and rho each MoE layer uses.
+"""Per-layer routing settings: which policy, S, rho and N each MoE layer uses.
 
 ``transform`` takes ``policy``, ``S`` and ``rho`` either as one value for every MoE layer or
 as ``{decoder_layer_index: value}``; ``rho`` may also be a ``Quantile``, resolved per layer
@@ -43,10 +43,14 @@ class Quantile:
 class LayerPlan:
     policy: str
     S: int
-    rho: float | None = None  # index policies only
+    rho: float | None = None  # index policies: a similarity; ``weight``: an importance threshold
+    N: int | None = None  # ``weight`` only: at most N experts per call
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["N"] is None:  # only ``weight`` has a budget; plans of the other policies stay as they were
+            del d["N"]
+        return d
 
 
 def _per_layer(name: str, value, layers):
@@ -59,15 +63,16 @@ def _per_layer(name: str, value, layers):
     return {layer.index: value for layer in layers}
 
 
-def build_plan(layers, policy, S, rho, matrices: Mapping[int, torch.Tensor] | None) -> dict[int, LayerPlan]:
+def build_plan(layers, policy, S, rho, matrices: Mapping[int, torch.Tensor] | None, N=None) -> dict[int, LayerPlan]:
     """Validate settings against the model's MoE layers; every error names the argument."""
     policies = _per_layer("policy", policy, layers)
     sizes = _per_layer("S", S, layers)
     rhos = _per_layer("rho", rho, layers)
+    budgets = _per_layer("N", N, layers)
     plan = {}
     for layer in layers:
         i = layer.index
-        p, s, r = policies[i], sizes[i], rhos[i]
+        p, s, r, n = policies[i], sizes[i], rhos[i], budgets[i]
         where = f"[{i}]" if isinstance(policy, Mapping) else ""
         if p not in POLICIES:
             raise ValueError(f"policy{where}: expected one of {list(POLICIES)}, got {p!r}")
@@ -83,9 +88,27 @@ def build_plan(layers, policy, S, rho, matrices: Mapping[int, torch.Tensor] | No
             if isinstance(r, Quantile):
                 r = r.resolve(matrices[i])
             r = check_finite_float(f"rho{where}", r)
+        elif p == "weight":
+            if isinstance(r, Quantile):
+                raise ValueError(f"rho{where}: policy 'weight' takes an importance threshold (a float >= 0), "
+                                 f"not a similarity quantile; got {r!r}")
+            if r is not None:
+                r = check_finite_float(f"rho{where}", r)
+                if r < 0:
+                    raise ValueError(f"rho{where}: expected an importance threshold >= 0 for policy 'weight', got {r}")
         elif r is not None:
             raise ValueError(f"rho{where}: policy {p!r} does not use rho (leave it None), got {r!r}")
-        plan[i] = LayerPlan(p, s, r)
+        where = f"[{i}]" if isinstance(N, Mapping) else ""
+        if p == "weight":
+            if n is None and r is None:
+                raise ValueError(f"N{where}: policy 'weight' needs N (experts per call), rho (an importance "
+                                 "threshold) or both; got neither")
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"N{where}: expected a positive int (experts per call) or None, got {n!r}")
+        elif n is not None:
+            raise ValueError(f"N{where}: only policy 'weight' takes an expert budget (leave it None for {p!r}), "
+                             f"got {n!r}")
+        plan[i] = LayerPlan(p, s, r, n)
     return plan
 
 
@@ -109,9 +132,9 @@ def load_plan(plan) -> dict[int, LayerPlan]:
     out = {}
     for k, v in plan.items():
         if isinstance(v, Mapping):
-            unknown = sorted(set(v) - {"policy", "S", "rho"})
+            unknown = sorted(set(v) - {"policy", "S", "rho", "N"})
             if unknown or not {"policy", "S"} <= set(v):
-                raise ValueError(f"plan[{k}]: expected keys policy, S and rho, got {sorted(v)}")
+                raise ValueError(f"plan[{k}]: expected keys policy, S, rho and N, got {sorted(v)}")
             v = LayerPlan(**v)
         if not isinstance(v, LayerPlan):
             raise TypeError(f"plan[{k}]: expected a LayerPlan or a dict, got {type(v).__name__}")
@@ -121,15 +144,14 @@ def load_plan(plan) -> dict[int, LayerPlan]:
     return out
 
 
-def plan_settings(plan, policy="sere", S=2, rho=None) -> tuple[dict, dict, dict]:
-    """A plan (anything ``load_plan`` takes) as per-layer ``policy``, ``S``, ``rho`` mappings.
+def plan_settings(plan, policy="sere", S=2, rho=None, N=None) -> tuple[dict, dict, dict, dict]:
+    """A plan (anything ``load_plan`` takes) as per-layer ``policy``, ``S``, ``rho``, ``N`` mappings.
 
-    ``policy``, ``S`` and ``rho`` are what the caller was given besides the plan: anything
+    ``policy``, ``S``, ``rho`` and ``N`` are what the caller was given besides the plan: anything
     but their defaults would be overridden, so it is an error rather than ignored.
     """
-    for name, value, default in (("policy", policy, "sere"), ("S", S, 2), ("rho", rho, None)):
+    for name, value, default in (("policy", policy, "sere"), ("S", S, 2), ("rho", rho, None), ("N", N, None)):
         if value != default:
             raise ValueError(f"{name}: a plan sets it per layer; got {name}={value!r} as well")
     layers = load_plan(plan)
-    return ({i: lp.policy for i, lp in layers.items()}, {i: lp.S for i, lp in layers.items()},
-            {i: lp.rho for i, lp in layers.items()})
+    return tuple({i: getattr(lp, key) for i, lp in layers.items()} for key in ("policy", "S", "rho", "N"))

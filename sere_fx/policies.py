@@ -17,6 +17,16 @@ Top-k policies replace the router's top-k itself and need the full score vector:
   experts in L until it has K or runs out. Unfilled slots get the token's first expert with
   a *neutral* score (0 for probabilities, -inf for logits), so the model's own weight
   computation gives them weight 0 and no new expert is loaded.
+- ``weight`` (criticality by routing weight, and a fixed expert budget): an expert's
+  *importance* to the batch is the sum over tokens of the square of its *share* (its weight
+  over the sum of the token's top-K weights): dropping an expert moves a token's output in
+  proportion to the share it loses, and the loss grows with the square of that move, so
+  the sum is a second-order estimate of what dropping the expert costs the batch. The
+  loaded set L is every token's top-S, plus each expert whose importance is at least ``rho``,
+  and at most ``N`` experts in all: top-S members first, then by importance (ties to the lower
+  expert index). Only experts some token picked are ever loaded, so a batch that already
+  needs at most ``N`` keeps its routing. Tokens then refill from L by their own ranking,
+  exactly as ``oea`` does. ``N`` fixes a deployment's expert reads per step.
 
 Every policy leaves calls with more than ``max_tokens`` tokens, and every call inside
 ``with sere_fx.bypass():``, exactly as the model would have routed them.
@@ -29,7 +39,8 @@ import torch
 from sere_fx.ops import apply_table, primary_mask, remap_table
 
 INDEX_POLICIES = ("sere", "least_similar", "random")  # need a similarity matrix; take rho
-TOPK_POLICIES = ("topk", "oea")
+TOPK_POLICIES = ("topk", "oea", "weight")
+REFILL_POLICIES = ("oea", "weight")  # tokens refill from the loaded set; weights come from the model
 POLICIES = INDEX_POLICIES + TOPK_POLICIES
 
 _BYPASS = False
@@ -137,6 +148,22 @@ def remap_ids(
     return _by_size(tokens, max_tokens, stats, policy_fn, model_fn, operands)
 
 
+def _refill(scores: torch.Tensor, k: int, loaded: torch.Tensor, neutral: float,
+            valid_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (valid) token's best ``k`` experts within ``loaded`` (bool ``[E]``), by its own scores.
+
+    Unfilled slots repeat the token's first expert with the ``neutral`` score, so the model's
+    weight computation gives them 0 and nothing outside ``loaded`` is read. Rows outside
+    ``valid_rows`` get their own top-k.
+    """
+    allowed = loaded.unsqueeze(0) if valid_rows is None else loaded.unsqueeze(0) | ~valid_rows.unsqueeze(1)
+    masked = scores.masked_fill(~allowed, neutral)
+    values, ids = torch.topk(masked, k, dim=-1)
+    filled = allowed.expand_as(scores).gather(1, ids)
+    ids = torch.where(filled, ids, ids[:, :1])
+    return values.masked_fill(~filled, neutral), ids
+
+
 def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows: torch.Tensor | None = None):
     """OEA on flat scores ``[T, E]``: returns (values, ids, own), each ``[T, k]``, rank-ordered.
 
@@ -145,12 +172,45 @@ def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows
     """
     own = torch.topk(scores, k, dim=-1).indices
     loaded = primary_mask(own, k0, scores.shape[-1], valid_rows=valid_rows)  # the same rule as SERE's primaries
-    allowed = loaded.unsqueeze(0) if valid_rows is None else loaded.unsqueeze(0) | ~valid_rows.unsqueeze(1)
-    masked = scores.masked_fill(~allowed, neutral)
-    values, ids = torch.topk(masked, k, dim=-1)
-    filled = allowed.expand_as(scores).gather(1, ids)
-    ids = torch.where(filled, ids, ids[:, :1])
-    values = values.masked_fill(~filled, neutral)
+    values, ids = _refill(scores, k, loaded, neutral, valid_rows)
+    return values, ids, own
+
+
+def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: float | None = None,
+                  N: int | None = None, probs: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None):
+    """The ``weight`` policy on flat scores ``[T, E]`` (see module doc); returns (values, ids, own) as
+    ``oea_select`` does. Give ``rho``, ``N`` or both.
+
+    Shares come from ``probs`` (``[T, E]``, the router's probabilities) when given, else from the
+    scores: a softmax of the top-k values where they are logits (``neutral`` -inf), the values
+    over their sum where they are probabilities.
+    """
+    num_experts = scores.shape[-1]
+    own_values, own = torch.topk(scores, k, dim=-1)
+    if probs is not None:
+        own_values = probs.gather(1, own)
+    if probs is None and neutral == float("-inf"):
+        shares = own_values.float().softmax(dim=-1)
+    else:
+        own_values = own_values.float().clamp_min(0.0)
+        shares = own_values / own_values.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    if valid_rows is not None:
+        shares = shares.masked_fill(~valid_rows.unsqueeze(1), 0.0)
+    shares = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device).scatter(1, own, shares)
+    importance = shares.square().sum(dim=0)  # [E]
+    picked = primary_mask(own, k, num_experts, valid_rows=valid_rows)  # what the model itself would read
+    kept = primary_mask(own, S, num_experts, valid_rows=valid_rows)
+    loaded = picked if rho is None else kept | (picked & (importance >= rho))
+    if N is not None and N < num_experts:
+        # top-S members first (lifted above every importance), then by importance, ties to the
+        # lower index: each expert's place is the count of experts ahead of it (E x E compares
+        # instead of a stable sort, which ONNX has no operator for)
+        key = torch.where(kept, importance + importance.sum() + 1.0, importance).masked_fill(~loaded, -1.0)
+        index = torch.arange(num_experts, device=scores.device)
+        ahead = (key.unsqueeze(0) > key.unsqueeze(1)) | ((key.unsqueeze(0) == key.unsqueeze(1))
+                                                         & (index.unsqueeze(0) < index.unsqueeze(1)))
+        loaded = loaded & (ahead.sum(dim=1) < N)
+    values, ids = _refill(scores, k, loaded, neutral, valid_rows)
     return values, ids, own
 
 
@@ -179,10 +239,14 @@ def select_topk(
     policy: str,
     S: int,
     neutral: float,
+    rho: float | None = None,
+    N: int | None = None,
     max_tokens: int | None = None,
     stats=None,
 ):
-    """A top-k policy in place of the site's ``torch.topk(scores, k, dim, largest, sorted)``."""
+    """A top-k policy in place of the site's ``torch.topk(scores, k, dim, largest, sorted)``.
+
+    ``rho`` and ``N``: the ``weight`` policy's share threshold and expert budget."""
     e = scores.shape[-1]
     if policy not in TOPK_POLICIES:
         raise ValueError(f"policy: expected one of {list(TOPK_POLICIES)}, got {policy!r}")
@@ -192,8 +256,10 @@ def select_topk(
         if policy == "topk":
             values, ids = torch.topk(flat, S, dim=-1)
             before = torch.topk(flat, k, dim=-1).indices if stats is not None else None
-        else:
+        elif policy == "oea":
             values, ids, before = oea_select(flat, k, S, neutral)
+        else:
+            values, ids, before = weight_select(flat, k, S, neutral, rho=rho, N=N)
         if stats is not None:
             stats.record(before, ids, S)
         shape = scores.shape[:-1] + (ids.shape[-1],)

@@ -73,6 +73,7 @@ def transform(
     rho=None,
     *,
     policy="sere",
+    N=None,
     max_tokens: int | None = DEFAULT_MAX_TOKENS,
     stats: bool = False,
     plan=None,
@@ -90,15 +91,19 @@ def transform(
             routing unchanged. One int, or ``{layer: int}``.
         rho: critical threshold of the index policies (default 0.5): a finite float, a
             ``sere_fx.Quantile`` (per layer, from its similarities) or ``{layer: value}``.
-            ``rho <= 0`` re-routes every secondary expert. Must be None for ``topk``/``oea``.
-        policy: ``sere`` (default), ``least_similar``, ``random``, ``topk`` or ``oea``
-            (rules in ``sere_fx.policies``); or ``{layer: policy}``.
+            ``rho <= 0`` re-routes every secondary expert. For ``weight``: the importance an
+            expert needs to be loaded besides the top-S (None: no threshold). Must be None for
+            ``topk``/``oea``.
+        policy: ``sere`` (default), ``least_similar``, ``random``, ``topk``, ``oea`` or
+            ``weight`` (rules in ``sere_fx.policies``); or ``{layer: policy}``.
+        N: ``weight`` only: at most N distinct experts per layer per call (a fixed expert
+            budget); one int or ``{layer: int}``. ``weight`` needs N, rho or both.
         max_tokens: calls with more tokens than this (prefill) keep the model's own routing;
             None re-routes every call. Default ``DEFAULT_MAX_TOKENS`` (256).
         stats: record per-layer routing statistics (``sere_fx.routing_stats``); costs a
             device sync per layer call, so leave it off when timing.
         plan: per-layer settings from ``sere_fx.tune`` (a JSON path or dict); replaces
-            ``policy``, ``S`` and ``rho``, which must then be left at their defaults.
+            ``policy``, ``S``, ``rho`` and ``N``, which must then be left at their defaults.
         experts_implementation: switch a transformers model's experts implementation too,
             e.g. ``"sere_sparse"`` (``sere_fx.kernels.experts_cpu``) or ``"grouped_mm"``.
             Fewer experts only save time if the implementation reads active experts only:
@@ -114,7 +119,7 @@ def transform(
         raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
     layers = find_moe_layers(model)
     if plan is not None:
-        policy, S, rho = plan_settings(plan, policy, S, rho)
+        policy, S, rho, N = plan_settings(plan, policy, S, rho, N)
     needs_sim = any(
         (policy.get(layer.index) if isinstance(policy, dict) else policy) in INDEX_POLICIES for layer in layers
     )
@@ -125,7 +130,7 @@ def transform(
         check_identity(sim.metadata, model, layers)
     elif needs_sim:
         raise ValueError(f"sim: policy {policy!r} needs expert-similarity matrices, got None")
-    layer_plans = build_plan(layers, policy, S, rho, matrices)
+    layer_plans = build_plan(layers, policy, S, rho, matrices, N)
     for layer in layers:
         lp = layer_plans[layer.index]
         router = layer.router
@@ -135,7 +140,7 @@ def transform(
             stats=STATS_ATTR if stats else None,
             generator=GENERATOR_ATTR if lp.policy == "random" else None,
         )
-        insert_policy(layer.graph, layer.site, lp.policy, lp.S, lp.rho, max_tokens, attrs, where=layer.router_name)
+        insert_policy(layer.graph, layer.site, lp, max_tokens, attrs, where=layer.router_name)
         layer.graph.lint()
         if attrs.similarity:
             router.register_buffer(SIM_BUFFER, matrices[layer.index].to(device))

@@ -38,16 +38,21 @@ from sere_fx.transform import restore, transform
 
 METRICS = ("nll", "accuracy")
 DEFAULT_QUANTILES = (0.5, 0.75)
+# ``weight`` importance thresholds (a sum of squared shares over the batch, so a threshold
+# reads more experts at larger batches): from about OEA S=3's expert count down to S=1's.
+DEFAULT_IMPORTANCE = (0.01, 0.02, 0.035, 0.05, 0.08)
 
 
-def default_candidates(top_k: int, quantiles=DEFAULT_QUANTILES) -> list[tuple[str, int, object]]:
+def default_candidates(top_k: int, quantiles=DEFAULT_QUANTILES, importance=DEFAULT_IMPORTANCE) -> list[tuple]:
     """(policy, S, rho) candidates for a layer with top-``top_k`` routing: OEA at S in
-    {1, 2, 3, K/2}; SERE at S in {1, 2, 3} with rho 0 and the given similarity quantiles."""
+    {1, 2, 3, K/2}; SERE at S in {1, 2, 3} with rho 0 and the given similarity quantiles;
+    ``weight`` at S=1 with the given importance thresholds."""
     sizes = sorted({s for s in (1, 2, 3, top_k // 2) if 1 <= s < top_k})
     out = [("oea", s, None) for s in sizes]
     for s in sizes[:3]:
         out.append(("sere", s, 0.0))
         out.extend(("sere", s, Quantile(q)) for q in quantiles)
+    out.extend(("weight", 1, r) for r in importance)
     return out
 
 
@@ -86,7 +91,8 @@ class TuneResult:
                  f"{100 * (self.distinct / self.baseline_distinct - 1):+.1f}%):"]
         for i, lp in sorted(self.plan.items()):
             rho = "" if lp.rho is None else f", rho={lp.rho:.3f}"
-            lines.append(f"  layer {i}: {lp.policy} S={lp.S}{rho}")
+            n = "" if lp.N is None else f", N={lp.N}"
+            lines.append(f"  layer {i}: {lp.policy} S={lp.S}{rho}{n}")
         return "\n".join(lines)
 
 
@@ -155,7 +161,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     whose loss stays within it; ``max_experts`` (a fraction of the baseline's distinct experts
     per layer per decode step, in (0, 1]): the lowest loss whose measured distinct experts stay
     within it (a speed target: the dual knapsack ``_choose_within`` in step 2).
-    ``candidates``: ``[(policy, S, rho), ...]`` tried on every layer (default
+    ``candidates``: ``[(policy, S, rho), ...]`` or ``(policy, S, rho, N)`` tried on every layer (default
     ``default_candidates``). The untouched setting is always a choice. ``verify_rounds``:
     whole-plan evaluations in the budget search (step 3).
     """
@@ -190,12 +196,12 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     jobs = []
     for layer in layers:
         options[layer.index] = [Probe(layer.index, untouched[layer.index], 0.0, base.distinct[layer.index])]
-        for policy, S, rho in candidates or default_candidates(layer.top_k):
+        for policy, S, rho, *N in candidates or default_candidates(layer.top_k):
             if not 1 <= S <= layer.top_k:
                 raise ValueError(f"candidates: S={S} is outside [1, {layer.top_k}] for layer {layer.index}")
             if isinstance(rho, Quantile):
                 rho = rho.resolve(matrices[layer.index])
-            jobs.append((layer.index, LayerPlan(policy, S, rho)))
+            jobs.append((layer.index, LayerPlan(policy, S, rho, *N)))
     uniform = _uniform_plans(jobs, layers)
     bar = None
     if progress:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -93,3 +95,30 @@ def reroute_rows_loop(topk_ids, topk_values, valid_rows, similarity, S: int, rho
     for i, t in enumerate(keep):
         out[t] = sub[i].to(out.dtype)
     return out
+
+
+def weight_loop(scores, k: int, S: int, rho=None, N=None, logits: bool = False, valid=None, probs=None):
+    """The ``weight`` policy per token (plain loops, float64): list of expert lists, rank order.
+
+    ``logits``: shares are a softmax of each token's top-k scores, else the scores over their
+    sum; ``probs``: shares from these instead (the scores only rank). Rows where ``valid`` is
+    False keep their own top-k and take no part.
+    """
+    rows = scores.double().tolist()
+    weights = rows if probs is None else probs.double().tolist()
+    valid = [True] * len(rows) if valid is None else [bool(v) for v in valid]
+    ranking = [sorted(range(len(r)), key=lambda e: (-r[e], e)) for r in rows]
+    importance, picked, kept = {}, set(), set()
+    for r, rank, ok in zip(weights, ranking, valid):
+        if not ok:
+            continue
+        top = rank[:k]
+        mass = [math.exp(r[e] - r[top[0]]) if logits and probs is None else r[e] for e in top]
+        for e, m in zip(top, mass):
+            importance[e] = importance.get(e, 0.0) + (m / sum(mass)) ** 2
+        picked.update(top)
+        kept.update(rank[:S])
+    loaded = set(picked) if rho is None else kept | {e for e in picked if importance[e] >= rho}
+    if N is not None:
+        loaded = set(sorted(loaded, key=lambda e: (e not in kept, -importance[e], e))[:N])
+    return [rank[:k] if not ok else [e for e in rank if e in loaded][:k] for rank, ok in zip(ranking, valid)]

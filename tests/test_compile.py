@@ -94,14 +94,15 @@ def test_sere_backend_is_registered_and_warns_on_untransformed_graphs():
             torch.compile(model, backend="sere")(ids, use_cache=False)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2_group", "qwen2_moe"])
-def test_backend_with_a_policy_that_needs_no_similarity(family):
-    """OEA through the backend: no similarity, so the expert dimension comes from the graph
-    (the widest top-k; DeepSeek's group top-k must not be taken for a routing site)."""
+@pytest.mark.parametrize("family,settings", [("deepseek_v2_group", dict(policy="oea", S=1)),
+                                             ("qwen2_moe", dict(policy="weight", S=1, rho=0.5, N=5))])
+def test_backend_with_a_policy_that_needs_no_similarity(family, settings):
+    """OEA / weight through the backend: no similarity, so the expert dimension comes from the
+    graph (the widest top-k; DeepSeek's group top-k must not be taken for a routing site)."""
     torch._dynamo.reset()
     model = tiny_model(family, experts_implementation="grouped_mm")
-    ref = sere_fx.transform(copy.deepcopy(model), None, S=1, policy="oea", max_tokens=None)
-    backend = SereBackend(None, S=1, policy="oea", max_tokens=None, inner=aot_eager)
+    ref = sere_fx.transform(copy.deepcopy(model), None, max_tokens=None, **settings)
+    backend = SereBackend(None, max_tokens=None, inner=aot_eager, **settings)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     ids = torch.randint(3, 90, (4, 3), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -134,11 +134,12 @@ def _settings_model(case):
                                             "1": {"policy": "oea", "S": 2, "rho": None}}}),
         "oea": dict(policy="oea", S=2),
         "topk": dict(policy="topk", S=2),
+        "weight": dict(policy="weight", S=1, rho=0.5, N=5),
     }[case]
     return sere_fx.transform(model, sim, max_tokens=None, **kwargs)
 
 
-@pytest.mark.parametrize("case", ["rho 0.5", "quantile", "mixed plan", "oea", "topk"])
+@pytest.mark.parametrize("case", ["rho 0.5", "quantile", "mixed plan", "oea", "topk", "weight"])
 def test_onnx_carries_every_kind_of_setting(case, tmp_path):
     import onnxruntime as ort
 

@@ -9,6 +9,7 @@ import sere_fx
 from sere_fx.discovery import find_moe_layers
 from sere_fx.passes import RoutingMatchError, SiteAttrs, find_routing_sites, insert_policy
 from sere_fx.passes.matcher import op_kind
+from sere_fx.plan import LayerPlan
 from tiny_models import FAMILIES, random_similarity, tiny_model
 
 
@@ -33,7 +34,7 @@ def test_rewrite_on_an_aten_graph_runs_the_op():
     gm = ep.module()
     (site,) = find_routing_sites(gm.graph, layer.num_experts, where="exported")
     gm.register_buffer("sim", torch.rand(layer.num_experts, layer.num_experts))
-    insert_policy(gm.graph, site, "sere", S=1, rho=0.0, max_tokens=None, attrs=SiteAttrs(similarity="sim"))
+    insert_policy(gm.graph, site, LayerPlan("sere", 1, 0.0), max_tokens=None, attrs=SiteAttrs(similarity="sim"))
     gm.recompile()
     logits, weights, ids = gm(x)
     ref_logits, ref_weights, ref_ids = layer.router(x)

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import sere_fx
-from reference import least_similar_loop, oea_loop, reroute_loop
+from reference import least_similar_loop, oea_loop, reroute_loop, weight_loop
 from router_reference import _selection_scores
 from sere_fx.discovery import find_moe_layers
-from sere_fx.policies import ablation_reroute
+from sere_fx.policies import ablation_reroute, weight_select
 from tiny_models import random_similarity, tiny_model
 
 
@@ -122,13 +122,68 @@ def test_oea_matches_loop_reference(family, k0):
     assert all(s.critical_kept == 0 for s in stats.values())  # OEA never loads beyond L
 
 
+def _filled(values, ids, neutral):
+    return [[e for e, v in zip(i, x) if v != neutral] for i, x in zip(ids.tolist(), values.tolist())]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_weight_select_matches_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    t, e, k = 9, 16, 4
+    logits = torch.randn(t, e, generator=g) * 2
+    valid = torch.rand(t, generator=g) > 0.3
+    for S, rho, N in [(1, None, 5), (2, None, 7), (1, 0.3, None), (1, 0.2, 6), (2, 0.0, 3), (1, None, 16)]:
+        for as_logits in (False, True):
+            scores, neutral = (logits, float("-inf")) if as_logits else (logits.softmax(-1), 0.0)
+            values, ids, own = weight_select(scores, k, S, neutral, rho=rho, N=N)
+            expected = weight_loop(scores, k, S, rho, N, logits=as_logits)
+            assert _filled(values, ids, neutral) == expected, (S, rho, N, as_logits)
+            assert len(set(ids.flatten().tolist())) <= (N or e)
+            assert torch.equal(own, torch.topk(scores, k).indices)
+            values, ids, _ = weight_select(scores, k, S, neutral, rho=rho, N=N, valid_rows=valid)
+            assert _filled(values, ids, neutral) == weight_loop(scores, k, S, rho, N, logits=as_logits, valid=valid)
+        # the router's probabilities given beside the scores rank and weigh exactly as probability scores do
+        values, ids, _ = weight_select(logits, k, S, float("-inf"), rho=rho, N=N, probs=logits.softmax(-1))
+        assert _filled(values, ids, float("-inf")) == weight_loop(logits, k, S, rho, N, logits=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_weight_matches_loop_reference(family):
+    """Through the whole model: the loop's sets, weighted by the family's own formula."""
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    k = layers[0].top_k
+    N = 3 if k == 2 else 6
+    reference = copy.deepcopy(model)
+    sizes = []
+    for layer in layers:
+        router = reference.get_submodule(layer.router_name)
+
+        def hook(module, args, output):
+            scores = _selection_scores(module, args[0])
+            chosen = weight_loop(scores, k, 1, 0.5, N, logits=family == "gpt_oss")  # gpt-oss selects on logits
+            sizes.append(len({e for c in chosen for e in c}))
+            weights, ids = _oea_weights(family, module, args[0], chosen, k)
+            return output[0], weights.to(output[1].dtype), ids
+
+        router.register_forward_hook(hook)
+    ids = _ids(model, batch=7)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = sere_fx.transform(model, None, S=1, rho=0.5, N=N, policy="weight", max_tokens=None)(ids).logits
+        original = sere_fx.restore(copy.deepcopy(model))(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, original)
+    assert max(sizes) <= N
+
+
 def test_oea_refuses_routers_that_gather_weights_by_index():
     model = tiny_model("deepseek_v3")
     with pytest.raises(sere_fx.RoutingMatchError, match=r"model.layers.1.mlp.gate: policy 'oea' needs routing weights"):
         sere_fx.transform(model, None, S=2, policy="oea")
 
 
-@pytest.mark.parametrize("policy", ["sere", "least_similar", "random", "topk", "oea"])
+@pytest.mark.parametrize("policy", ["sere", "least_similar", "random", "topk", "oea", "weight"])
 def test_bypass_and_prefill_routing_are_the_models_own(policy):
     model = tiny_model("qwen3_moe")
     layers = find_moe_layers(model)
@@ -136,12 +191,13 @@ def test_bypass_and_prefill_routing_are_the_models_own(policy):
     with torch.no_grad():
         original = model(ids).logits
         sim = random_similarity(layers) if policy in sere_fx.policies.INDEX_POLICIES else None
-        sere_fx.transform(model, sim, S=1, policy=policy, max_tokens=None)
+        budget = {"N": 4} if policy == "weight" else {}
+        sere_fx.transform(model, sim, S=1, policy=policy, max_tokens=None, **budget)
         changed = model(ids).logits
         with sere_fx.bypass():
             bypassed = model(ids).logits
         sere_fx.restore(model)
-        sere_fx.transform(model, sim, S=1, policy=policy, max_tokens=11)  # 12 tokens: prefill
+        sere_fx.transform(model, sim, S=1, policy=policy, max_tokens=11, **budget)  # 12 tokens: prefill
         prefill = model(ids).logits
     assert not torch.equal(changed, original)
     assert torch.equal(bypassed, original) and torch.equal(prefill, original)
@@ -175,7 +231,7 @@ def test_per_layer_settings_and_plans(tmp_path):
 @pytest.mark.parametrize(
     "kwargs,exc,message",
     [
-        (dict(policy="fast"), ValueError, r"policy: expected one of \['sere', 'least_similar', 'random', 'topk', 'oea'\], got 'fast'"),
+        (dict(policy="fast"), ValueError, r"policy: expected one of \['sere', 'least_similar', 'random', 'topk', 'oea', 'weight'\], got 'fast'"),
         (dict(policy={0: "sere", 1: "nope"}), ValueError, r"policy\[1\]: expected one of"),
         (dict(policy="oea", rho=0.5), ValueError, r"rho: policy 'oea' does not use rho \(leave it None\), got 0.5"),
         (dict(S={0: 1}), ValueError, r"S: expected values for the MoE decoder layers \[0, 1\], got layers \[0\]"),
@@ -184,7 +240,13 @@ def test_per_layer_settings_and_plans(tmp_path):
         (dict(plan={"layers": {}}, S=3), ValueError, r"S: a plan sets it per layer; got S=3 as well"),
         (dict(plan="/nonexistent.json"), FileNotFoundError, r"plan: no plan file at '/nonexistent.json'"),
         (dict(plan={"layers": {"0": {"policy": "sere", "k": 2}}}), ValueError,
-         r"plan\[0\]: expected keys policy, S and rho, got \['k', 'policy'\]"),
+         r"plan\[0\]: expected keys policy, S, rho and N, got \['k', 'policy'\]"),
+        (dict(policy="weight"), ValueError, r"N: policy 'weight' needs N \(experts per call\), rho \(an importance "
+                                            r"threshold\) or both; got neither"),
+        (dict(policy="weight", N=0), ValueError, r"N: expected a positive int \(experts per call\) or None, got 0"),
+        (dict(policy="weight", rho=-0.1), ValueError, r"rho: expected an importance threshold >= 0 for policy 'weight', got -0.1"),
+        (dict(policy="weight", rho=sere_fx.Quantile(0.5)), ValueError, r"rho: policy 'weight' takes an importance threshold"),
+        (dict(policy="oea", N=8), ValueError, r"N: only policy 'weight' takes an expert budget \(leave it None for 'oea'\), got 8"),
     ],
 )
 def test_bad_policy_settings(kwargs, exc, message):

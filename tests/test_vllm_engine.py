@@ -104,6 +104,15 @@ def test_oea_cuts_experts_and_leaves_prefill_rows_alone(workdir, plain):
         assert layer["critical_kept"] == 0
 
 
+def test_weight_budget_caps_decode_experts(workdir, plain):
+    N = 24
+    out = run_engine(workdir, "weight", sere={"policy": "weight", "S": 1, "N": N, "stats": True})
+    assert [t[0] for t in out["tokens"]] == [t[0] for t in plain["tokens"]]
+    assert out["tokens"] != plain["tokens"], "the budget changed no token at all"
+    for layer in out["stats"].values():  # means per decode step (the per-step cap: test_vllm_routing)
+        assert layer["distinct_after"] <= N < layer["distinct_before"], layer
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2_group"])
 def test_every_moe_layer_of_tiny_families(workdir, family):
     model = write_checkpoint(family, str(workdir / family))

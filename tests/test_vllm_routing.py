@@ -19,7 +19,7 @@ else:
 
 from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter  # noqa: E402
 
-from reference import least_similar_loop, oea_loop, rank_order, reroute_rows_loop  # noqa: E402
+from reference import least_similar_loop, oea_loop, rank_order, reroute_rows_loop, weight_loop  # noqa: E402
 from sere_fx.plan import LayerPlan  # noqa: E402
 from sere_fx.vllm import engine  # noqa: E402
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install  # noqa: E402
@@ -150,15 +150,19 @@ def test_least_similar_on_decode_rows(engine_state):
 
 
 @pytest.mark.parametrize("kind", list(ROUTERS))
-@pytest.mark.parametrize("policy", ["oea", "topk"])
+@pytest.mark.parametrize("policy", ["oea", "topk", "weight"])
 def test_topk_policies_on_decode_rows(engine_state, kind, policy):
     S = 2
-    x, (w0, ids0), (w1, ids1) = routed(kind, LayerPlan(policy, S))
+    plan = LayerPlan(policy, S, 0.3, 6) if policy == "weight" else LayerPlan(policy, S)
+    x, (w0, ids0), (w1, ids1) = routed(kind, plan)
     scores = RouterScores.of(make_router(kind))
     sel = scores.selection(x)
     rows = DECODE_ROWS.nonzero().flatten().tolist()
     if policy == "oea":
         picks = oea_loop(sel[rows], K, S)
+    elif policy == "weight":  # ranked by the selection score, weighed by the router's probabilities
+        picks = weight_loop(sel[rows], K, S, 0.3, 6, probs=scores.probabilities(x)[rows])
+        assert len({e for p in picks for e in p}) <= 6 < len({e for t in rows for e in ids0[t].tolist()})
     else:
         picks = [sorted(range(E), key=lambda e: (-float(sel[t, e]), e))[:S] for t in rows]
     probs = scores.probabilities(x)

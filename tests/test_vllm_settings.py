@@ -47,6 +47,8 @@ def test_defaults_and_per_layer_values(sim_file):
     assert plans[1].rho == pytest.approx(Quantile(0.5).resolve(matrices[1]))
     plans, matrices = resolve({"policy": "oea", "S": 2})
     assert plans == {0: LayerPlan("oea", 2), 1: LayerPlan("oea", 2)} and matrices is None
+    plans, _ = resolve({"policy": "weight", "S": 1, "N": {"0": 5, "1": 6}, "rho": 0.1})
+    assert plans == {0: LayerPlan("weight", 1, 0.1, 5), 1: LayerPlan("weight", 1, 0.1, 6)}
 
 
 def test_plan_file(tmp_path, sim_file):
@@ -83,6 +85,7 @@ def test_parse_errors(raw, message):
         ({"policy": "fastest"}, f'{KEY}\\["policy"\\]: expected one of \\[\'sere\''),
         ({"S": {"0": 2}}, f'{KEY}\\["S"\\]: expected values for the MoE decoder layers \\[0, 1\\], got layers \\[0\\]'),
         ({"policy": "oea", "rho": 0.5}, f'{KEY}\\["rho"\\]: policy \'oea\' does not use rho'),
+        ({"policy": "weight", "N": "36"}, f'{KEY}\\["N"\\]: expected a positive int \\(experts per call\\) or None, got \'36\''),
     ],
 )
 def test_errors_against_the_model(sim_file, raw, message):
@@ -110,7 +113,7 @@ def test_similarity_must_fit_the_served_model(tmp_path, sim_file):
         resolve({"sim": str(broken)})
     bad_plan = tmp_path / "plan.json"
     bad_plan.write_text(json.dumps({"layers": {"0": {"policy": "sere"}}}))
-    with pytest.raises(SettingsError, match=f'{KEY}\\["plan"\\]: plan\\[0\\]: expected keys policy, S and rho'):
+    with pytest.raises(SettingsError, match=f'{KEY}\\["plan"\\]: plan\\[0\\]: expected keys policy, S, rho and N'):
         resolve({"sim": sim_file, "plan": str(bad_plan)})
 
 

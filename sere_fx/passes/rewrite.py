@@ -3,7 +3,7 @@
 Index policies (``sere``, ``least_similar``, ``random``): one node is inserted after the
 top-k and only the *dispatch* uses of the indices are redirected to it; uses that gather
 routing weights from the scores (DeepSeek-V3) keep the router's own indices, so router
-weights never change. Top-k policies (``topk``, ``oea``): the top-k node itself is replaced
+weights never change. Top-k policies (``topk``, ``oea``, ``weight``): the top-k node itself is replaced
 by a call with the same inputs and outputs, so the model's own weight computation runs on
 the policy's selection. Per-layer data (similarity matrix, statistics, random generator)
 is read through ``get_attr`` on the module that owns the graph.
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from torch.fx import Graph, Node
 
 from sere_fx.passes.matcher import RoutingMatchError, RoutingSite, _arg
-from sere_fx.policies import INDEX_POLICIES, remap_ids, select_topk
+from sere_fx.plan import LayerPlan
+from sere_fx.policies import INDEX_POLICIES, REFILL_POLICIES, remap_ids, select_topk
 
 
 @dataclass(frozen=True)
@@ -45,17 +46,17 @@ def _get_attrs(graph: Graph, after: Node, attrs: SiteAttrs) -> tuple[Node, dict]
     return after, nodes
 
 
-def insert_policy(graph: Graph, site: RoutingSite, policy: str, S: int, rho: float | None,
-                  max_tokens: int | None, attrs: SiteAttrs, where: str = "graph") -> Node:
-    """Rewrite ``site`` in ``graph`` for ``policy``; returns the node that now feeds the experts."""
-    if policy in INDEX_POLICIES:
-        return _insert_index_policy(graph, site, policy, S, rho, max_tokens, attrs)
-    if site.weight_uses and policy == "oea":
+def insert_policy(graph: Graph, site: RoutingSite, plan: LayerPlan, max_tokens: int | None, attrs: SiteAttrs,
+                  where: str = "graph") -> Node:
+    """Rewrite ``site`` in ``graph`` for the layer's ``plan``; returns the node that now feeds the experts."""
+    if plan.policy in INDEX_POLICIES:
+        return _insert_index_policy(graph, site, plan.policy, plan.S, plan.rho, max_tokens, attrs)
+    if site.weight_uses and plan.policy in REFILL_POLICIES:
         raise RoutingMatchError(
-            f"{where}: policy 'oea' needs routing weights computed from the top-k values, but this router "
+            f"{where}: policy {plan.policy!r} needs routing weights computed from the top-k values, but this router "
             f"gathers them by index ({', '.join(u.name for u in site.weight_uses)})"
         )
-    return _replace_topk(graph, site, policy, S, max_tokens, attrs)
+    return _replace_topk(graph, site, plan, max_tokens, attrs)
 
 
 def _insert_index_policy(graph, site, policy, S, rho, max_tokens, attrs) -> Node:
@@ -85,7 +86,7 @@ def _insert_index_policy(graph, site, policy, S, rho, max_tokens, attrs) -> Node
     return new_ids
 
 
-def _replace_topk(graph, site, policy, S, max_tokens, attrs) -> Node:
+def _replace_topk(graph, site, plan, max_tokens, attrs) -> Node:
     topk = site.topk
     # The score that makes a slot weigh nothing downstream: 0 for probabilities, -inf for logits.
     neutral = float("-inf") if site.score_fn == "logits" else 0.0
@@ -94,7 +95,8 @@ def _replace_topk(graph, site, policy, S, max_tokens, attrs) -> Node:
         new = graph.call_function(
             select_topk,
             (site.scores, site.k, _arg(topk, 2, "dim", -1), _arg(topk, 3, "largest", True), _arg(topk, 4, "sorted", True)),
-            {"policy": policy, "S": S, "neutral": neutral, "max_tokens": max_tokens, "stats": nodes.get("stats")},
+            {"policy": plan.policy, "S": plan.S, "neutral": neutral, "rho": plan.rho, "N": plan.N,
+             "max_tokens": max_tokens, "stats": nodes.get("stats")},
         )
     topk.replace_all_uses_with(new)
     graph.erase_node(topk)

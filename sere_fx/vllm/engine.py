@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from sere_fx.ops import primary_mask, reroute_kernel
+from sere_fx.policies import TOPK_POLICIES
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install
 from sere_fx.vllm.settings import WHERE, EngineLayer, SettingsError, parse, resolve_layers, to_device
 
@@ -202,7 +203,7 @@ def attach(model, vllm_config, raw) -> dict[int, LayerRouting]:
     for runner, layer in zip(runners, layers):
         plan = plans[layer.index]
         scores = RouterScores.of(runner.router)
-        if plan.policy in ("oea", "topk") and scores.unsupported:
+        if plan.policy in TOPK_POLICIES and scores.unsupported:
             raise SettingsError(
                 f'{WHERE}["policy"]: {plan.policy!r} recomputes routing weights, but layer {layer.index} '
                 f"({scores.router}) cannot be reproduced: {scores.unsupported}; use policy 'sere'"
@@ -220,7 +221,7 @@ def attach(model, vllm_config, raw) -> dict[int, LayerRouting]:
             ENGINE.stats[layer.index] = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=device)
     ENGINE.layers = installed
     summary = ", ".join(f"{i}: {p.policy} S={p.S}" + (f" rho={p.rho:.3g}" if p.rho is not None else "")
-                        for i, p in sorted(plans.items()))
+                        + (f" N={p.N}" if p.N is not None else "") for i, p in sorted(plans.items()))
     _logger().info("sere-fx: re-routing %d of %d MoE layers (%s); decode_only=%s, stats=%s",
                 len(installed), len(layers), summary, settings.decode_only, settings.stats)
     return installed

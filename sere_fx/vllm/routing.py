@@ -9,8 +9,9 @@ whose ``_compute_routing`` calls the original and hands ``(weights, ids)`` to a
   ``torch.ops.sere.reroute`` / ``policies.ablation_reroute``; weights stay the router's.
   vLLM's top-k is unsorted, so slots are ranked by the router's *selection* score: the
   returned weight where it is monotone in it, the biased score for biased routers.
-- top-k policies (``oea``, ``topk``) choose slots with ``policies.oea_select`` /
-  ``policies.keep_top_s`` over the router's selection scores; the weights then come from
+- top-k policies (``oea``, ``topk``, ``weight``) choose slots with ``policies.oea_select`` /
+  ``policies.keep_top_s`` / ``policies.weight_select`` over the router's selection scores
+  (``weight`` takes its shares from the router's probabilities); the weights then come from
   the router's own probabilities for the chosen experts (0 for unfilled slots), normalised
   and scaled as that router does.
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from sere_fx.plan import LayerPlan
-from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select
+from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select, weight_select
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,14 @@ class LayerRouting:
                                        rank_values=rank, valid_rows=rows)
         else:
             rows = torch.ops.sere.engine_rows(ids, self.decode_only)
-            select = oea_select if plan.policy == "oea" else keep_top_s
             neutral = float("-inf")
-            values, chosen, _ = select(self.scores.selection(router_logits), ids.shape[1], plan.S, neutral, rows)
+            selection = self.scores.selection(router_logits)
+            if plan.policy == "weight":
+                values, chosen, _ = weight_select(selection, ids.shape[1], plan.S, neutral, rho=plan.rho, N=plan.N,
+                                                  probs=self.scores.probabilities(router_logits), valid_rows=rows)
+            else:
+                select = oea_select if plan.policy == "oea" else keep_top_s
+                values, chosen, _ = select(selection, ids.shape[1], plan.S, neutral, rows)
             keep = rows.unsqueeze(1)
             recomputed = self.scores.weights(router_logits, chosen, values != neutral).to(weights.dtype)
             new_weights = torch.where(keep, recomputed, weights)

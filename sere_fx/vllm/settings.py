@@ -20,7 +20,7 @@ from sere_fx.similarity import Similarity, resolve
 
 SETTINGS_KEY = "sere"
 WHERE = f'additional_config["{SETTINGS_KEY}"]'
-_KEYS = ("sim", "S", "rho", "policy", "plan", "decode_only", "stats")
+_KEYS = ("sim", "S", "rho", "N", "policy", "plan", "decode_only", "stats")
 
 
 class SettingsError(ValueError):
@@ -42,6 +42,7 @@ class EngineSettings:
     sim: str | None = None
     S: object = 2
     rho: object = None
+    N: object = None
     policy: object = "sere"
     plan: str | None = None
     decode_only: bool = True
@@ -103,6 +104,7 @@ def parse(raw) -> EngineSettings:
         sim=raw.get("sim"),
         S=_per_layer_keys("S", raw.get("S", 2)),
         rho=rho,
+        N=_per_layer_keys("N", raw.get("N")),
         policy=_per_layer_keys("policy", raw.get("policy", "sere")),
         plan=raw.get("plan"),
         decode_only=raw.get("decode_only", True),
@@ -116,10 +118,10 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
 
     Returns ``({layer: LayerPlan}, {layer: float32 [E, E]} or None)``.
     """
-    policy, S, rho = settings.policy, settings.S, settings.rho
+    policy, S, rho, N = settings.policy, settings.S, settings.rho, settings.N
     try:
         if settings.plan is not None:
-            policy, S, rho = plan_settings(settings.plan, policy, S, rho)
+            policy, S, rho, N = plan_settings(settings.plan, policy, S, rho, N)
     except (ValueError, TypeError) as exc:
         raise SettingsError(f"{_key('plan')}: {exc}") from None
     matrices = None
@@ -142,7 +144,7 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
     if uses_sim and matrices is None:
         raise SettingsError(f"{_key('sim')}: policy {policy!r} needs a similarity file from `sere-fx calibrate`, got none")
     try:
-        plans: dict[int, LayerPlan] = build_plan(layers, policy, S, rho, matrices)
+        plans: dict[int, LayerPlan] = build_plan(layers, policy, S, rho, matrices, N)
     except (ValueError, TypeError) as exc:
         name = str(exc).split(":", 1)[0].split("[", 1)[0]
         raise SettingsError(f"{_key(name)}{str(exc)[len(name):]}" if name in _KEYS else f"{WHERE}: {exc}") from None
