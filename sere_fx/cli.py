@@ -107,6 +107,18 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _budget(text: str) -> int | float:
+    """``--N``: an int (a count) or a float (a fraction); plan.build_plan checks the range."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int (experts) or a fraction in (0, 1), got {text!r}") from None
+
+
 def _max_tokens(text: str) -> int | None:
     if text.lower() == "none":
         return None
@@ -217,10 +229,16 @@ def cmd_export(args) -> int:
 
     import sere_fx
     from sere_fx.exporters import export
-    from sere_fx.policies import TOPK_POLICIES
+    from sere_fx.policies import POLICIES, TOPK_POLICIES
 
     if (failed := _output_dir_missing("export", args.out)) is not None:
         return failed
+    if args.policy not in POLICIES:
+        raise CliError(f"--policy: expected one of {', '.join(POLICIES)}, got {args.policy!r}")
+    if args.sim is None and args.plan is None and args.policy not in TOPK_POLICIES and (
+            args.policy != "sere" or args.S != 2 or args.rho is not None or args.N is not None):
+        raise CliError(f"--sim: policy {args.policy!r} needs a similarity file (without one the model is exported "
+                       "untransformed, and the routing options would be ignored), got none")
     if args.format == "tensorrt":  # before any work: this machine may not run it at all
         from sere_fx.exporters.tensorrt import available
 
@@ -339,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefill", type=int, default=4, help="tokens prefilled with the model's own routing (default 4)")
     e.add_argument("--steps", type=int, default=96, help="scored decode steps per sequence (default 96)")
     e.add_argument("--policies", nargs="+", default=None, metavar="SPEC",
-                   help="baseline, sere:S=2,rho=0.5, sere:S=2,rho=q0.3, topk:S=2, oea:S=2, weight:S=1,N=36, "
+                   help="baseline, sere:S=2,rho=0.5, sere:S=2,rho=q0.3, topk:S=2, oea:S=2, weight:S=1,N=0.6, "
                         "weight:S=1,rho=0.05, random:S=2,rho=0, least_similar:S=2,rho=0, plan:PATH "
                         "(default: the standard comparison set)")
     e.add_argument("--max-tokens", type=_max_tokens, default=None,
@@ -379,7 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--S", type=int, default=2)
     x.add_argument("--rho", type=float, default=None,
                    help="sere: similarity threshold (default 0.5); weight: importance threshold (default none)")
-    x.add_argument("--N", type=int, default=None, help="weight: at most N distinct experts per layer per call")
+    x.add_argument("--N", type=_budget, default=None,
+                   help="weight: at most N distinct experts per layer per call; a fraction in (0, 1): of the experts "
+                        "the call's tokens picked")
     x.add_argument("--plan", help="a plan from `sere-fx tune` (replaces --policy/--S/--rho/--N)")
     x.add_argument("--format", choices=["pt2", "aoti", "onnx", "tensorrt"], required=True)
     x.add_argument("--seq-len", type=int, default=1, help="sequence length of the exported graph (default 1: decode)")
@@ -438,7 +458,7 @@ def _report(command: str, exc: Exception, options: set[str]) -> int:
     """One line for an error raised below the CLI. The library names its arguments (``sim: ...``,
     ``max_tokens: ...``); where that argument is also this command's option, say it as the option."""
     line = _first_line(exc)
-    name = re.match(r"([a-z_]+)(?=[\[:])", line)
+    name = re.match(r"([A-Za-z_]+)(?=[\[:])", line)
     if name and (option := "--" + name.group(1).replace("_", "-")) in options:
         line = option + line[name.end():]
     elif not isinstance(exc, (ValueError, TypeError, FileNotFoundError)):  # not one of ours: say what it was

@@ -48,7 +48,8 @@ def run(out_dir: str = "sere-demo", *, num_eval_seqs: int = 64, steps: int = 64,
 
     print(f"[2/4] batched decode evaluation (batch {batch_size}) on tokens {CALIBRATION_TOKENS}: ...", flush=True)
     windows = token_windows(tokenizer, docs, 4 + steps + 1, num_eval_seqs, token_range=(CALIBRATION_TOKENS, None))
-    policies = ["baseline", "sere:S=2,rho=0.5", "sere:S=2,rho=0", "oea:S=2"]
+    # weight:S=1,N=0.6 reads 40% fewer experts than each step picks: about OEA S=2's count here
+    policies = ["baseline", "sere:S=2,rho=0.5", "sere:S=2,rho=0", "oea:S=2", "weight:S=1,N=0.6"]
     report = evaluate(model, windows, policies, sim, batch_size=batch_size, prefill=4, progress=progress)
     paths = report.save(out_dir)
 

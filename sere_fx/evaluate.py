@@ -45,7 +45,7 @@ class PolicySpec:
 
 def parse_policy(text: str) -> PolicySpec:
     """``baseline``, ``sere:S=2,rho=0.5``, ``sere:S=2,rho=q0.3`` (quantile), ``topk:S=2``,
-    ``oea:S=2``, ``weight:S=1,N=36``, ``weight:S=1,rho=0.05``, ``random:S=2,rho=0``,
+    ``oea:S=2``, ``weight:S=1,N=36``, ``weight:S=1,N=0.6``, ``weight:S=1,rho=0.05``, ``random:S=2,rho=0``,
     ``least_similar:S=2,rho=0``, ``plan:PATH``."""
     text = text.strip()
     if text == "baseline":
@@ -64,14 +64,16 @@ def parse_policy(text: str) -> PolicySpec:
             raise ValueError(f"policy: expected settings S=<int>, rho=<float>, rho=q<quantile> or N=<int>, "
                              f"got {item!r} in {text!r}")
         try:
-            if key in ("S", "N"):
-                kwargs[key] = int(value)
+            if key == "S":
+                kwargs["S"] = int(value)
+            elif key == "N":  # a count, or a fraction of the experts each call's tokens picked
+                kwargs["N"] = int(value) if value.strip().isdigit() else float(value)
             elif value.startswith("q"):
                 kwargs["rho"] = Quantile(float(value[1:]))
             else:
                 kwargs["rho"] = float(value)
         except ValueError as exc:
-            wanted = "an int" if key in ("S", "N") else "a float or q<quantile in [0, 1]>"
+            wanted = {"S": "an int", "N": "an int or a fraction in (0, 1)"}.get(key, "a float or q<quantile in [0, 1]>")
             raise ValueError(f"policy: expected {key}={wanted}, got {item!r} in {text!r} ({exc})") from None
     return PolicySpec(text, kwargs)
 
@@ -274,22 +276,36 @@ class EvalReport:
 
 
 def pareto_plot(report: EvalReport, path: str) -> None:
+    """Retention and NLL increase vs distinct experts, with 95% intervals: one colour per policy,
+    its settings joined by a line (sorted by experts), so each policy's front reads at a glance."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    families: dict[str, list[PolicyResult]] = {}
     for r in report.results:
-        lo, hi = r.retention_ci
-        ax.errorbar(r.distinct, r.retention, yerr=[[r.retention - lo], [hi - r.retention]], fmt="o", capsize=3)
-        ax.annotate(r.label, (r.distinct, r.retention), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.set_xlabel("distinct experts per layer per decode step (lower = faster)")
-    ax.set_ylabel("accuracy retention vs baseline")
+        families.setdefault(r.label.split(":", 1)[0], []).append(r)
+    panels = ((axes[0], "retention", "retention_ci", "accuracy retention vs baseline (95% CI)"),
+              (axes[1], "dnll", "dnll_ci", "NLL increase vs baseline, nats/token (95% CI)"))
+    for ax, key, ci, ylabel in panels:
+        for name, rs in families.items():
+            rs = sorted(rs, key=lambda r: r.distinct)
+            y = [getattr(r, key) for r in rs]
+            yerr = [[v - getattr(r, ci)[0] for v, r in zip(y, rs)], [getattr(r, ci)[1] - v for v, r in zip(y, rs)]]
+            ax.errorbar([r.distinct for r in rs], y, yerr=yerr, fmt="o-" if len(rs) > 1 else "o", capsize=3,
+                        label=name, alpha=0.85)
+            for r, v in zip(rs, y):
+                ax.annotate(r.label.split(":", 1)[-1], (r.distinct, v), textcoords="offset points", xytext=(5, 4),
+                            fontsize=7)
+        ax.set_xlabel("distinct experts per layer per decode step (lower = faster)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower right")
     cfg = report.config
-    ax.set_title(f"batched decode, batch {cfg.get('batch_size')}, {cfg.get('scored_tokens')} scored tokens")
-    ax.grid(alpha=0.3)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.suptitle(f"batched decode, batch {cfg.get('batch_size')}, {cfg.get('scored_tokens')} scored tokens")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -44,7 +44,7 @@ class LayerPlan:
     policy: str
     S: int
     rho: float | None = None  # index policies: a similarity; ``weight``: an importance threshold
-    N: int | None = None  # ``weight`` only: at most N experts per call
+    N: int | float | None = None  # ``weight`` only: at most N experts per call (a float: a fraction)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -103,8 +103,11 @@ def build_plan(layers, policy, S, rho, matrices: Mapping[int, torch.Tensor] | No
             if n is None and r is None:
                 raise ValueError(f"N{where}: policy 'weight' needs N (experts per call), rho (an importance "
                                  "threshold) or both; got neither")
-            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-                raise ValueError(f"N{where}: expected a positive int (experts per call) or None, got {n!r}")
+            count = isinstance(n, int) and not isinstance(n, bool) and n >= 1
+            fraction = isinstance(n, float) and 0 < n < 1
+            if n is not None and not (count or fraction):
+                raise ValueError(f"N{where}: expected a positive int (experts per call), a float in (0, 1) (a fraction "
+                                 f"of the experts the call's tokens picked) or None, got {n!r}")
         elif n is not None:
             raise ValueError(f"N{where}: only policy 'weight' takes an expert budget (leave it None for {p!r}), "
                              f"got {n!r}")

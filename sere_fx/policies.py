@@ -24,9 +24,11 @@ Top-k policies replace the router's top-k itself and need the full score vector:
   the sum is a second-order estimate of what dropping the expert costs the batch. The
   loaded set L is every token's top-S, plus each expert whose importance is at least ``rho``,
   and at most ``N`` experts in all: top-S members first, then by importance (ties to the lower
-  expert index). Only experts some token picked are ever loaded, so a batch that already
-  needs at most ``N`` keeps its routing. Tokens then refill from L by their own ranking,
-  exactly as ``oea`` does. ``N`` fixes a deployment's expert reads per step.
+  expert index). ``N`` is a count (an int), or a fraction in (0, 1) of the experts the call's
+  tokens picked (rounded down, at least 1). Only experts some token picked are ever loaded,
+  so a batch that already needs at most ``N`` keeps its routing. Tokens then refill from L by
+  their own ranking, exactly as ``oea`` does. A count fixes a deployment's expert reads per
+  step; a fraction fixes the saving on every step, whatever the batch.
 
 Every policy leaves calls with more than ``max_tokens`` tokens, and every call inside
 ``with sere_fx.bypass():``, exactly as the model would have routed them.
@@ -177,7 +179,7 @@ def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows
 
 
 def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: float | None = None,
-                  N: int | None = None, probs: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None):
+                  N: int | float | None = None, probs: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None):
     """The ``weight`` policy on flat scores ``[T, E]`` (see module doc); returns (values, ids, own) as
     ``oea_select`` does. Give ``rho``, ``N`` or both.
 
@@ -201,7 +203,9 @@ def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: 
     picked = primary_mask(own, k, num_experts, valid_rows=valid_rows)  # what the model itself would read
     kept = primary_mask(own, S, num_experts, valid_rows=valid_rows)
     loaded = picked if rho is None else kept | (picked & (importance >= rho))
-    if N is not None and N < num_experts:
+    if isinstance(N, float):  # a fraction of what this call picked: a tensor, decided per call
+        N = (picked.sum().double() * N + 1e-9).floor().clamp_min(1)  # float64: 0.6 * 5 is 3, not 2.99
+    if N is not None and (isinstance(N, torch.Tensor) or N < num_experts):
         # top-S members first (lifted above every importance), then by importance, ties to the
         # lower index: each expert's place is the count of experts ahead of it (E x E compares
         # instead of a stable sort, which ONNX has no operator for)

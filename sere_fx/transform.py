@@ -96,8 +96,9 @@ def transform(
             ``topk``/``oea``.
         policy: ``sere`` (default), ``least_similar``, ``random``, ``topk``, ``oea`` or
             ``weight`` (rules in ``sere_fx.policies``); or ``{layer: policy}``.
-        N: ``weight`` only: at most N distinct experts per layer per call (a fixed expert
-            budget); one int or ``{layer: int}``. ``weight`` needs N, rho or both.
+        N: ``weight`` only: at most N distinct experts per layer per call: an int (a fixed
+            expert budget) or a float in (0, 1) (that fraction of the experts the call's tokens
+            picked, rounded down); one value or ``{layer: value}``. ``weight`` needs N, rho or both.
         max_tokens: calls with more tokens than this (prefill) keep the model's own routing;
             None re-routes every call. Default ``DEFAULT_MAX_TOKENS`` (256).
         stats: record per-layer routing statistics (``sere_fx.routing_stats``); costs a

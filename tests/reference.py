@@ -120,5 +120,6 @@ def weight_loop(scores, k: int, S: int, rho=None, N=None, logits: bool = False, 
         kept.update(rank[:S])
     loaded = set(picked) if rho is None else kept | {e for e in picked if importance[e] >= rho}
     if N is not None:
-        loaded = set(sorted(loaded, key=lambda e: (e not in kept, -importance[e], e))[:N])
+        count = N if isinstance(N, int) else max(1, math.floor(N * len(picked) + 1e-9))
+        loaded = set(sorted(loaded, key=lambda e: (e not in kept, -importance[e], e))[:count])
     return [rank[:k] if not ok else [e for e in rank if e in loaded][:k] for rank, ok in zip(ranking, valid)]

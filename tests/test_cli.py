@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -131,6 +132,13 @@ def test_every_mistake_is_one_line_naming_the_argument(tmp_path, capsys):
          "sere-fx export: error: argument --max-tokens: expected a positive integer or 'none', got '0'"),
         (["export", "--model", model, "--policy", "topk", "--format", "pt2", "--out", out],
          "sere-fx export: error: --max-tokens: policy 'topk' (layers [0, 1, 2, 3]) changes the number of routed slots"),
+        (["export", "--model", model, "--policy", "weigh", "--format", "pt2", "--out", out],
+         "sere-fx export: error: --policy: expected one of sere, least_similar, random, topk, oea, weight, got 'weigh'"),
+        (["export", "--model", model, "--policy", "weight", "--format", "pt2", "--out", out],
+         "sere-fx export: error: --N: policy 'weight' needs N (experts per call), rho (an importance threshold) or both"),
+        (["export", "--model", model, "--S", "1", "--format", "pt2", "--out", out],
+         "sere-fx export: error: --sim: policy 'sere' needs a similarity file (without one the model is exported "
+         "untransformed, and the routing options would be ignored), got none"),
     ]
     for argv, message in cases:
         rc, stdout, err = cli(capsys, *argv)
@@ -169,10 +177,13 @@ def test_demo_as_the_readme_runs_it(tmp_path, capsys, monkeypatch):
     assert rc == 0, err
     files = sorted(p.name for p in (tmp_path / "sere-demo").iterdir())
     assert files == ["eval.json", "pareto.png", "sim.safetensors", "similarity"]
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if re.match(r"(baseline|sere|oea)\S* +0\.", line)}
-    assert list(rows) == ["baseline", "sere:S=2,rho=0.5", "sere:S=2,rho=0", "oea:S=2"]
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if re.match(r"(baseline|sere|oea|weight)\S* +0\.", line)}
+    assert list(rows) == ["baseline", "sere:S=2,rho=0.5", "sere:S=2,rho=0", "oea:S=2", "weight:S=1,N=0.6"]
     base, sere = float(rows["baseline"][-2]), float(rows["sere:S=2,rho=0"][-2])
     assert sere < base, "S=2 rho=0 reads fewer experts"
+    # each step reads at most 0.6 of what its tokens picked (and they pick about what the baseline's do)
+    assert float(rows["weight:S=1,N=0.6"][-2]) <= 0.6 * base * 1.02
     line = next(line for line in out.splitlines() if line.startswith("speed-up"))
     speed, lo, hi = map(float, re.match(r"speed-up ([\d.]+)x \[([\d.]+), ([\d.]+)\] \(per-pair ratios\); ", line).groups())
     assert lo <= speed <= hi
@@ -182,3 +193,41 @@ def test_demo_as_the_readme_runs_it(tmp_path, capsys, monkeypatch):
     assert speedup_verdict(speed, limit) in line
     assert speedup_verdict(2.0, 1.5).startswith("above the limit of 1.50x: timing noise")
     assert speedup_verdict(1.2, 1.5) == "the limit from experts read is 1.50x on the MoE layers alone"
+
+
+def test_readme_tune_and_eval_commands(tmp_path, capsys, monkeypatch):
+    """The README's `sere-fx tune` and `sere-fx eval` lines on the test-bed, as typed except for
+    their size: 32 sequences of 3 scored steps instead of the defaults (minutes of decoding).
+    Distinct experts: a re-routed model's tokens pick slightly different experts than the
+    baseline's, hence the 2% margins."""
+    import json
+    import re
+
+    from sere_fx.resources import testbed_model, testbed_text
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    block = re.search(r"```bash\n(sere-fx tune .*?)```", readme, re.S).group(1)
+    commands = [" ".join(part.strip() for part in line.split("\\\n")) for line in re.split(r"\n(?=sere-fx )", block)]
+    assert [c.split()[1] for c in commands] == ["tune", "eval"]
+    monkeypatch.chdir(tmp_path)
+    model, text = testbed_model(), testbed_text()
+    rc, _, err = cli(capsys, "calibrate", "--model", model, "--data", text, "--token-range", "0:40000", "--num-seqs", "32",
+                     "--seq-len", "32", "--out", "sim.safetensors")
+    assert rc == 0, err
+    for command in commands:
+        argv = command.replace("DIR", model).replace("text.txt", text).split()[1:]
+        argv += ["--num-seqs", "32", "--steps", "3"]
+        rc, out, err = cli(capsys, *argv)
+        assert rc == 0, (command, err)
+    plan = json.load(open("plan.json"))
+    tuned = plan["tuned"]
+    assert tuned["max_experts"] == 0.6 and tuned["distinct"] <= 0.6 * tuned["baseline_distinct"] + 1e-9
+    report = json.load(open("eval/eval.json"))
+    labels = ["baseline", "sere:S=2,rho=0", "oea:S=2", "weight:S=1,N=0.6", "plan:plan.json"]
+    assert [r["label"] for r in report["results"]] == labels
+    base, weight = report["results"][0], report["results"][3]
+    for layer, distinct in weight["distinct_per_layer"].items():  # 40% fewer than the batch picked, every step
+        assert distinct <= 0.6 * base["distinct_per_layer"][layer] * 1.02
+    assert weight["settings"]["layers"]["0"] == {"policy": "weight", "S": 1, "rho": None, "N": 0.6}
+    assert re.search(r"^weight:S=1,N=0.6 vs oea:S=2: accuracy ratio .* \(paired bootstrap, 95%\)$", out, re.M), out
+    assert re.search(r"^plan:plan.json vs oea:S=2: accuracy ratio ", out, re.M), out

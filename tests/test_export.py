@@ -134,7 +134,7 @@ def _settings_model(case):
                                             "1": {"policy": "oea", "S": 2, "rho": None}}}),
         "oea": dict(policy="oea", S=2),
         "topk": dict(policy="topk", S=2),
-        "weight": dict(policy="weight", S=1, rho=0.5, N=5),
+        "weight": dict(policy="weight", S=1, rho=0.5, N=0.5),  # a fraction: decided per call, in the graph
     }[case]
     return sere_fx.transform(model, sim, max_tokens=None, **kwargs)
 

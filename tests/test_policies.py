@@ -132,13 +132,16 @@ def test_weight_select_matches_loop(seed):
     t, e, k = 9, 16, 4
     logits = torch.randn(t, e, generator=g) * 2
     valid = torch.rand(t, generator=g) > 0.3
-    for S, rho, N in [(1, None, 5), (2, None, 7), (1, 0.3, None), (1, 0.2, 6), (2, 0.0, 3), (1, None, 16)]:
+    for S, rho, N in [(1, None, 5), (2, None, 7), (1, 0.3, None), (1, 0.2, 6), (2, 0.0, 3), (1, None, 16),
+                      (1, None, 0.6), (2, 0.25, 0.5), (1, None, 0.01)]:
         for as_logits in (False, True):
             scores, neutral = (logits, float("-inf")) if as_logits else (logits.softmax(-1), 0.0)
             values, ids, own = weight_select(scores, k, S, neutral, rho=rho, N=N)
             expected = weight_loop(scores, k, S, rho, N, logits=as_logits)
             assert _filled(values, ids, neutral) == expected, (S, rho, N, as_logits)
-            assert len(set(ids.flatten().tolist())) <= (N or e)
+            picked = len(set(own.flatten().tolist()))
+            cap = N if isinstance(N, int) else e if N is None else max(1, int(N * picked + 1e-9))
+            assert len(set(ids.flatten().tolist())) <= cap
             assert torch.equal(own, torch.topk(scores, k).indices)
             values, ids, _ = weight_select(scores, k, S, neutral, rho=rho, N=N, valid_rows=valid)
             assert _filled(values, ids, neutral) == weight_loop(scores, k, S, rho, N, logits=as_logits, valid=valid)
@@ -243,7 +246,9 @@ def test_per_layer_settings_and_plans(tmp_path):
          r"plan\[0\]: expected keys policy, S, rho and N, got \['k', 'policy'\]"),
         (dict(policy="weight"), ValueError, r"N: policy 'weight' needs N \(experts per call\), rho \(an importance "
                                             r"threshold\) or both; got neither"),
-        (dict(policy="weight", N=0), ValueError, r"N: expected a positive int \(experts per call\) or None, got 0"),
+        (dict(policy="weight", N=0), ValueError, r"N: expected a positive int \(experts per call\), a float in \(0, 1\) "
+                                                 r"\(a fraction of the experts the call's tokens picked\) or None, got 0"),
+        (dict(policy="weight", N=1.0), ValueError, r"N: expected a positive int .* or None, got 1.0"),
         (dict(policy="weight", rho=-0.1), ValueError, r"rho: expected an importance threshold >= 0 for policy 'weight', got -0.1"),
         (dict(policy="weight", rho=sere_fx.Quantile(0.5)), ValueError, r"rho: policy 'weight' takes an importance threshold"),
         (dict(policy="oea", N=8), ValueError, r"N: only policy 'weight' takes an expert budget \(leave it None for 'oea'\), got 8"),

@@ -3,6 +3,7 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,9 +37,9 @@ def test_choose_matches_brute_force(seed):
 
 def test_default_candidates():
     cands = default_candidates(8)
-    assert ("oea", 4, None) in cands and ("sere", 1, 0.0) in cands
-    assert all(1 <= s < 8 for _, s, _ in cands)
-    assert all(s <= 3 for p, s, _ in cands if p == "sere")
+    assert ("oea", 4, None) in cands and ("sere", 1, 0.0) in cands and ("weight", 1, None, 0.6) in cands
+    assert all(1 <= c[1] < 8 for c in cands)
+    assert all(c[1] <= 3 for c in cands if c[0] == "sere")
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +138,23 @@ def test_expert_budget_plan_is_within_budget_when_measured_independently(setup):
     with pytest.raises(ValueError, match=r"max_experts: expected a fraction of the baseline's experts in \(0, 1\], "
                                          r"got 1.5"):
         tune(model, sim, windows, max_experts=1.5)
+
+
+def test_paired_standard_error_matches_the_bootstrap():
+    """The noise bar a per-layer plan must clear over the best uniform plan: one standard error of
+    the paired loss difference, checked against the spread of a paired bootstrap."""
+    from sere_fx.evaluate import DecodeScores, paired_bootstrap
+    from sere_fx.tune import _paired_se
+
+    rng = np.random.default_rng(0)
+    n, tokens = 400, np.full(400, 96)
+    base = DecodeScores(rng.integers(20, 40, n), rng.normal(350, 30, n), tokens, {0: 60.0})
+    a = DecodeScores(base.correct - rng.integers(0, 3, n), base.nll + rng.normal(2.0, 1.5, n), tokens, {0: 36.0})
+    b = DecodeScores(base.correct - rng.integers(0, 4, n), base.nll + rng.normal(2.5, 1.5, n), tokens, {0: 36.0})
+    assert _paired_se(base, a, a, "nll") == 0.0
+    for metric in ("nll", "accuracy"):
+        se = _paired_se(base, a, b, metric)
+        # the bootstrap's 95% interval of b against a spans about 3.92 standard errors
+        ci = paired_bootstrap(a, b, resamples=4000)["dnll_ci" if metric == "nll" else "retention_ci"]
+        width = (ci[1] - ci[0]) * (1 if metric == "nll" else a.accuracy / base.accuracy)
+        assert se == pytest.approx(width / 3.92, rel=0.15), metric

@@ -93,24 +93,23 @@ def test_rho_above_every_similarity_reproduces_plain_vllm(workdir, testbed_sim, 
         assert layer["distinct_after"] == layer["distinct_before"]
 
 
-def test_oea_cuts_experts_and_leaves_prefill_rows_alone(workdir, plain):
-    out = run_engine(workdir, "oea", sere={"policy": "oea", "S": 2, "stats": True})
+def test_topk_policies_cut_experts_and_leave_prefill_rows_alone(workdir, plain):
+    # one engine, both refill policies, per-layer settings: OEA S=2 on layers 0 and 2, the
+    # weight policy's fixed budget on layers 1 and 3
+    N = 24
+    out = run_engine(workdir, "oea_weight", sere={"policy": {"0": "oea", "1": "weight", "2": "oea", "3": "weight"},
+                                                  "S": {"0": 2, "1": 1, "2": 2, "3": 1},
+                                                  "N": {"0": None, "1": N, "2": None, "3": N}, "stats": True})
     # A request's first token comes from its prefill rows only: identical to plain vLLM's.
     assert [t[0] for t in out["tokens"]] == [t[0] for t in plain["tokens"]]
-    assert out["tokens"] != plain["tokens"], "OEA changed no token at all"
-    for layer in out["stats"].values():
+    assert out["tokens"] != plain["tokens"], "the policies changed no token at all"
+    for index, layer in out["stats"].items():
         assert layer["prefill_rows"] > 0, "no mixed batch was seen"
-        assert layer["distinct_after"] < 0.8 * layer["distinct_before"]
-        assert layer["critical_kept"] == 0
-
-
-def test_weight_budget_caps_decode_experts(workdir, plain):
-    N = 24
-    out = run_engine(workdir, "weight", sere={"policy": "weight", "S": 1, "N": N, "stats": True})
-    assert [t[0] for t in out["tokens"]] == [t[0] for t in plain["tokens"]]
-    assert out["tokens"] != plain["tokens"], "the budget changed no token at all"
-    for layer in out["stats"].values():  # means per decode step (the per-step cap: test_vllm_routing)
-        assert layer["distinct_after"] <= N < layer["distinct_before"], layer
+        if index in ("0", "2"):
+            assert layer["distinct_after"] < 0.8 * layer["distinct_before"]
+            assert layer["critical_kept"] == 0  # OEA never loads beyond the union of top-S
+        else:  # means per decode step (the per-step cap: test_vllm_routing)
+            assert layer["distinct_after"] <= N < layer["distinct_before"], layer
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2_group"])
