@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
     plain = CPURouter(top_k=K, global_num_experts=E, renormalize=True)
     results["router"] = timed(lambda: plain._compute_routing(hidden, logits, None), args.repeats)
     for name, plan in [("sere", LayerPlan("sere", args.S, 0.0)), ("oea", LayerPlan("oea", args.S)),
-                       ("topk", LayerPlan("topk", args.S))]:
+                       ("topk", LayerPlan("topk", args.S)), ("weight", LayerPlan("weight", 1, None, 0.6))]:
         router = CPURouter(top_k=K, global_num_experts=E, renormalize=True)
         install(router, LayerRouting(0, plan, RouterScores.of(router), sim, E, True, False))
         results[f"router+{name}"] = timed(lambda r=router: r._compute_routing(hidden, logits, None), args.repeats)
