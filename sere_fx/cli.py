@@ -109,12 +109,10 @@ def _finite_float(text: str) -> float:
 
 def _budget(text: str) -> int | float:
     """``--N``: an int (a count) or a float (a fraction); plan.build_plan checks the range."""
+    from sere_fx.plan import parse_budget
+
     try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
+        return parse_budget(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int (experts) or a fraction in (0, 1), got {text!r}") from None
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from sere_fx.discovery import find_moe_blocks, find_moe_layers
-from sere_fx.plan import Quantile
+from sere_fx.plan import Quantile, parse_budget
 from sere_fx.policies import POLICIES, bypass
 from sere_fx.similarity import as_similarity, resolve
 from sere_fx.transform import restore, transform
@@ -61,13 +61,13 @@ def parse_policy(text: str) -> PolicySpec:
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key not in ("S", "rho", "N"):
-            raise ValueError(f"policy: expected settings S=<int>, rho=<float>, rho=q<quantile> or N=<int>, "
+            raise ValueError(f"policy: expected settings S=<int>, rho=<float>, rho=q<quantile> or N=<int or fraction>, "
                              f"got {item!r} in {text!r}")
         try:
             if key == "S":
                 kwargs["S"] = int(value)
             elif key == "N":  # a count, or a fraction of the experts each call's tokens picked
-                kwargs["N"] = int(value) if value.strip().isdigit() else float(value)
+                kwargs["N"] = parse_budget(value)
             elif value.startswith("q"):
                 kwargs["rho"] = Quantile(float(value[1:]))
             else:

@@ -53,6 +53,15 @@ class LayerPlan:
         return d
 
 
+def parse_budget(text: str) -> int | float:
+    """``N`` as typed (``--N``, ``weight:N=...``): an int literal is a count, anything else a
+    float (a fraction); ``build_plan`` checks the range. Raises ValueError for neither."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def _per_layer(name: str, value, layers):
     if isinstance(value, Mapping):
         keys = sorted(value)

@@ -244,13 +244,13 @@ def select_topk(
     S: int,
     neutral: float,
     rho: float | None = None,
-    N: int | None = None,
+    N: int | float | None = None,
     max_tokens: int | None = None,
     stats=None,
 ):
     """A top-k policy in place of the site's ``torch.topk(scores, k, dim, largest, sorted)``.
 
-    ``rho`` and ``N``: the ``weight`` policy's share threshold and expert budget."""
+    ``rho`` and ``N``: the ``weight`` policy's importance threshold and expert budget."""
     e = scores.shape[-1]
     if policy not in TOPK_POLICIES:
         raise ValueError(f"policy: expected one of {list(TOPK_POLICIES)}, got {policy!r}")

@@ -70,9 +70,10 @@ class RouterScores:
         logits = logits.float()
         return logits.softmax(dim=-1) if self.scoring_func == "softmax" else logits.sigmoid()
 
-    def selection(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[T, E]`` scores the router takes its top-k over (-inf outside the chosen groups)."""
-        scores = self.probabilities(logits)
+    def selection(self, logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, E]`` scores the router takes its top-k over (-inf outside the chosen groups).
+        ``probs``: ``probabilities(logits)`` when the caller has it already."""
+        scores = self.probabilities(logits) if probs is None else probs
         if self.bias is not None:
             scores = scores + self.bias.float().unsqueeze(0)
         if self.groups is None:
@@ -84,9 +85,12 @@ class RouterScores:
         chosen = chosen.scatter(1, group_score.topk(top_group, dim=-1).indices, True)
         return scores.masked_fill(~chosen.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
 
-    def weights(self, logits: torch.Tensor, ids: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
-        """The router's weights for the experts ``ids [T, K]``; unfilled slots get 0."""
-        w = self.probabilities(logits).gather(1, ids.long()).masked_fill(~filled, 0.0)
+    def weights(self, logits: torch.Tensor, ids: torch.Tensor, filled: torch.Tensor,
+                probs: torch.Tensor | None = None) -> torch.Tensor:
+        """The router's weights for the experts ``ids [T, K]``; unfilled slots get 0. ``probs`` as
+        for ``selection``."""
+        probs = self.probabilities(logits) if probs is None else probs
+        w = probs.gather(1, ids.long()).masked_fill(~filled, 0.0)
         if self.renormalize:
             w = w / w.sum(dim=-1, keepdim=True)
         return w * self.scale if self.scale != 1.0 else w
@@ -126,15 +130,16 @@ class LayerRouting:
         else:
             rows = torch.ops.sere.engine_rows(ids, self.decode_only)
             neutral = float("-inf")
-            selection = self.scores.selection(router_logits)
+            probs = self.scores.probabilities(router_logits)  # once: selection, shares and weights read it
+            selection = self.scores.selection(router_logits, probs)
             if plan.policy == "weight":
                 values, chosen, _ = weight_select(selection, ids.shape[1], plan.S, neutral, rho=plan.rho, N=plan.N,
-                                                  probs=self.scores.probabilities(router_logits), valid_rows=rows)
+                                                  probs=probs, valid_rows=rows)
             else:
                 select = oea_select if plan.policy == "oea" else keep_top_s
                 values, chosen, _ = select(selection, ids.shape[1], plan.S, neutral, rows)
             keep = rows.unsqueeze(1)
-            recomputed = self.scores.weights(router_logits, chosen, values != neutral).to(weights.dtype)
+            recomputed = self.scores.weights(router_logits, chosen, values != neutral, probs).to(weights.dtype)
             new_weights = torch.where(keep, recomputed, weights)
             new_ids = torch.where(keep, chosen.to(ids.dtype), ids)
         if self.stats:
