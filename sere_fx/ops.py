@@ -9,11 +9,16 @@ Semantics, for ``topk_ids [T, K]`` (int64 or int32) whose slot order is rank ord
 
 ``S >= K`` is the identity. The input is never mutated, router weights are never touched.
 
-Two optional arguments serve engines whose top-k is unsorted and whose batches mix phases:
+Three optional arguments serve engines whose top-k is unsorted and whose batches mix phases:
 ``rank_values [T, K]`` ranks each token's slots (descending, ties to the lower slot) instead of
-their order, and ``valid_rows [T]`` (bool) limits both the primary set and the re-routing to
-those rows; other rows come back unchanged. Slots keep their places either way: slots ranked
-below S hold primary experts, which the table maps to themselves, so no permutation is needed.
+their order; ``valid_rows [T]`` (bool) limits both the primary set and the re-routing to
+those rows, and other rows come back unchanged; ``free_rows [T]`` (bool) marks rows among the
+others whose experts are read anyway (a mixed step's prompt rows): all K of their experts join
+the primary set (a row both valid and free counts as valid). Slots keep their places either way: slots ranked below S hold primary
+experts, which the table maps to themselves, so no permutation is needed.
+
+Ids outside ``[0, E)`` (an engine's padding rows write -1; fused shared experts sit past E) are
+left as they are and take no part in the primary set.
 
 Every implementation here builds the same per-batch *remap table* ``table[e]``
 (``e`` for primary and critical experts, ``b`` otherwise) and returns ``table[topk_ids]``.
@@ -32,7 +37,7 @@ from torch.library import triton_op, wrap_triton
 from sere_fx.kernels import reroute_cpu, reroute_triton
 
 __all__ = ["reroute", "reroute_aten", "reroute_kernel", "primary_mask", "remap_table", "apply_table", "decompositions",
-           "use_triton"]
+           "use_triton", "free_experts"]
 
 
 def primary_mask(topk_ids: torch.Tensor, S: int, num_experts: int, rank_values: torch.Tensor | None = None,
@@ -40,19 +45,29 @@ def primary_mask(topk_ids: torch.Tensor, S: int, num_experts: int, rank_values: 
     """Boolean ``[E]``: experts among the first ``S`` ranked slots of any valid token.
 
     Slots are ranked by ``rank_values`` (descending, ties to the lower slot) when given, else
-    taken in their order. Rows where ``valid_rows`` is False do not contribute.
+    taken in their order. Rows where ``valid_rows`` is False, and ids outside ``[0, E)``, do
+    not contribute.
     """
     if rank_values is None:
         top = topk_ids[:, :S]
     else:
         top = topk_ids.gather(1, rank_values.argsort(dim=1, descending=True, stable=True)[:, :S])
     top = top.to(torch.int64)
-    if valid_rows is not None:  # invalid rows point at a scratch slot past the last expert
-        top = top.masked_fill(~valid_rows.unsqueeze(1), num_experts)
+    outside = (top < 0) | (top >= num_experts)
+    if valid_rows is not None:
+        outside = outside | ~valid_rows.unsqueeze(1)
+    top = top.masked_fill(outside, num_experts)  # a scratch slot past the last expert
     primary = torch.zeros(num_experts + 1, dtype=torch.bool, device=topk_ids.device)
     # index_put with the 2-D index (no flattening view): a view to a size computed inside a
     # torch.cond branch does not survive the ONNX exporter's re-tracing.
     return primary.index_put((top,), primary.new_ones(()))[:num_experts]
+
+
+def free_experts(topk_ids: torch.Tensor, num_experts: int, free_rows: torch.Tensor | None) -> torch.Tensor | None:
+    """Boolean ``[E]``: every expert of the ``free_rows`` (all K slots), or None without them."""
+    if free_rows is None:
+        return None
+    return primary_mask(topk_ids, topk_ids.shape[1], num_experts, valid_rows=free_rows)
 
 
 def remap_table(primary: torch.Tensor, similarity: torch.Tensor, rho: float,
@@ -68,7 +83,7 @@ def remap_table(primary: torch.Tensor, similarity: torch.Tensor, rho: float,
     best = masked.argmax(dim=1)  # argmax returns the first (lowest) index among equal maxima
     best_sim = masked.gather(1, best.unsqueeze(1)).squeeze(1)
     experts = torch.arange(num_experts, device=sim.device)
-    keep = primary
+    keep = primary | torch.isneginf(best_sim)  # no primary expert at all: nothing to re-route to
     if rho > 0:
         # A Python scalar against a float32 tensor compares in float32, and it stays a scalar
         # in exported graphs (a tensor built from it would not be functional).
@@ -77,20 +92,26 @@ def remap_table(primary: torch.Tensor, similarity: torch.Tensor, rho: float,
 
 
 def apply_table(table: torch.Tensor, topk_ids: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``table[topk_ids]`` in the ids' dtype; rows where ``valid_rows`` is False are left as they are."""
-    out = table[topk_ids.to(torch.int64)].to(topk_ids.dtype)
-    if valid_rows is not None:
-        out = torch.where(valid_rows.unsqueeze(1), out, topk_ids)
-    return out
+    """``table[topk_ids]`` in the ids' dtype; rows where ``valid_rows`` is False, and ids outside
+    the table, are left as they are."""
+    ids = topk_ids.to(torch.int64)
+    inside = (ids >= 0) & (ids < table.shape[0])
+    out = table[ids.clamp(0, table.shape[0] - 1)].to(topk_ids.dtype)
+    keep = inside if valid_rows is None else inside & valid_rows.unsqueeze(1)
+    return torch.where(keep, out, topk_ids)
 
 
 def reroute_aten(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
-                 rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
+                 free_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The vectorised PyTorch implementation (any device); also the decomposition exporters use."""
-    _check_args(topk_ids, similarity, S, rank_values, valid_rows)
+    _check_args(topk_ids, similarity, S, rank_values, valid_rows, free_rows)
     if S >= topk_ids.shape[1] or topk_ids.shape[0] == 0:
         return topk_ids.clone()
-    primary = primary_mask(topk_ids, S, similarity.shape[0], rank_values, valid_rows)
+    e = similarity.shape[0]
+    primary = primary_mask(topk_ids, S, e, rank_values, valid_rows)
+    if free_rows is not None:
+        primary = primary | free_experts(topk_ids, e, free_rows if valid_rows is None else free_rows & ~valid_rows)
     return apply_table(remap_table(primary, similarity, rho), topk_ids, valid_rows)
 
 
@@ -104,7 +125,8 @@ def _check(cond, message) -> None:
         torch._check(cond, message)
 
 
-def _check_args(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rank_values=None, valid_rows=None) -> None:
+def _check_args(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rank_values=None, valid_rows=None,
+                free_rows=None) -> None:
     # Shape/dtype checks only: they cost nothing and are valid on fake tensors.
     _check(topk_ids.dim() == 2, lambda: f"topk_ids: expected a 2-D [T, K] tensor, got shape {tuple(topk_ids.shape)}")
     _check(
@@ -122,12 +144,12 @@ def _check_args(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rank_v
             rank_values.shape == topk_ids.shape,
             lambda: f"rank_values: expected shape {tuple(topk_ids.shape)} (as topk_ids), got {tuple(rank_values.shape)}",
         )
-    if valid_rows is not None:
-        _check(
-            valid_rows.dim() == 1 and valid_rows.shape[0] == topk_ids.shape[0] and valid_rows.dtype == torch.bool,
-            lambda: f"valid_rows: expected a bool [{topk_ids.shape[0]}] tensor, got {valid_rows.dtype} "
-            f"{tuple(valid_rows.shape)}",
-        )
+    for name, rows in (("valid_rows", valid_rows), ("free_rows", free_rows)):
+        if rows is not None:
+            _check(
+                rows.dim() == 1 and rows.shape[0] == topk_ids.shape[0] and rows.dtype == torch.bool,
+                lambda: f"{name}: expected a bool [{topk_ids.shape[0]}] tensor, got {rows.dtype} {tuple(rows.shape)}",
+            )
 
 
 _FORCE_TRITON = False
@@ -161,33 +183,34 @@ def _eager_cpu(t: torch.Tensor) -> bool:
 
 def reroute_kernel(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
                    rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
-                   wrap=lambda kernel: kernel) -> torch.Tensor:
+                   free_rows: torch.Tensor | None = None, wrap=lambda kernel: kernel) -> torch.Tensor:
     """Run the op's rule with the fastest implementation for the tensors: the Triton kernel on CUDA
     (``wrap`` is ``wrap_triton`` inside the registered op), the NumPy kernel on the CPU, else ATen."""
     if S >= topk_ids.shape[1] or topk_ids.shape[0] == 0:
         return topk_ids.clone()
     if reroute_triton.AVAILABLE and (topk_ids.is_cuda or _FORCE_TRITON):
-        return reroute_triton.launch(wrap, topk_ids, similarity, S, rho, rank_values, valid_rows)
+        return reroute_triton.launch(wrap, topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows)
     if _eager_cpu(topk_ids):
-        return reroute_cpu.reroute(topk_ids, similarity, S, rho, rank_values, valid_rows)
-    return reroute_aten(topk_ids, similarity, S, rho, rank_values, valid_rows)
+        return reroute_cpu.reroute(topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows)
+    return reroute_aten(topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows)
 
 
 @triton_op("sere::reroute", mutates_args=())
 def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
-            rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+            rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
+            free_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Re-route ``topk_ids [T, K]`` onto the batch's primary experts. See module doc.
 
     Compilers see through this op (``triton_op``): Inductor inlines its Triton kernel on CUDA
     and its ATen implementation elsewhere; ``torch.export`` keeps it as one node.
     """
-    _check_args(topk_ids, similarity, S, rank_values, valid_rows)
-    return reroute_kernel(topk_ids, similarity, S, rho, rank_values, valid_rows, wrap_triton)
+    _check_args(topk_ids, similarity, S, rank_values, valid_rows, free_rows)
+    return reroute_kernel(topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows, wrap_triton)
 
 
 @reroute.register_fake
-def _(topk_ids, similarity, S, rho, rank_values=None, valid_rows=None):
-    _check_args(topk_ids, similarity, S, rank_values, valid_rows)
+def _(topk_ids, similarity, S, rho, rank_values=None, valid_rows=None, free_rows=None):
+    _check_args(topk_ids, similarity, S, rank_values, valid_rows, free_rows)
     return torch.empty_like(topk_ids)
 
 

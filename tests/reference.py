@@ -60,6 +60,37 @@ def reroute_unsorted_loop(topk_ids, topk_values, similarity, S: int, rho: float)
     return out
 
 
+def engine_reroute_loop(topk_ids, topk_values, valid_rows, free_rows, similarity, S: int, rho: float):
+    """``sere.reroute`` with every optional argument, straight from its rules: the primary set
+    is the valid rows' S best-ranked slots plus every slot of the free rows that are not valid;
+    ids outside [0, E) take no part and are kept; only valid rows are re-routed."""
+    e_count = similarity.shape[0]
+    ids = [[int(e) for e in row] for row in topk_ids.tolist()]
+    values = topk_values.tolist()
+    valid = [bool(v) for v in valid_rows.tolist()]
+    free = [bool(v) and not ok for v, ok in zip(free_rows.tolist(), valid)] if free_rows is not None else [False] * len(ids)
+    ranks = [sorted(range(len(v)), key=lambda s: (-v[s], s)) for v in values]
+    primary = set()
+    for row, rank, ok, fr in zip(ids, ranks, valid, free):
+        slots = rank[:S] if ok else (rank if fr else [])
+        primary.update(row[s] for s in slots if 0 <= row[s] < e_count)
+    sim = similarity.to(torch.float32).tolist()
+    rho32 = float(torch.tensor(rho, dtype=torch.float32))
+    out = []
+    for row, rank, ok in zip(ids, ranks, valid):
+        new = list(row)
+        for s in (rank[S:] if ok else []):
+            e = row[s]
+            if not 0 <= e < e_count or e in primary or not primary:
+                continue
+            best = min(primary, key=lambda p: (-sim[e][p], p))
+            if rho > 0 and sim[e][best] < rho32:
+                continue
+            new[s] = best
+        out.append(new)
+    return torch.tensor(out, dtype=topk_ids.dtype).reshape(topk_ids.shape)
+
+
 def least_similar_loop(topk_ids, similarity, S: int, rho: float):
     """``least_similar``: SERE's primary and critical sets, target = least similar primary."""
     return _remap_loop(topk_ids, similarity, S, rho, "least")

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sere_fx
-from reference import reroute_loop, reroute_rows_loop
+from reference import engine_reroute_loop, reroute_loop, reroute_rows_loop
 from sere_fx import ops
 from sere_fx.kernels import reroute_triton
 from sere_fx.policies import remap_ids
@@ -242,6 +242,51 @@ def test_triton_rank_values_and_valid_rows(case):
     assert torch.equal(out, reroute_rows_loop(ids, values, valid, sim, S, rho))
 
 
+@st.composite
+def free_row_cases(draw):
+    """Engine cases with free rows and, now and then, ids outside [0, E) (padding -1, ids >= E)."""
+    ids, values, valid, sim, S, rho = draw(engine_cases())
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    free = torch.rand(ids.shape[0], generator=g) < draw(st.sampled_from([0.0, 0.5, 1.0]))
+    if draw(st.booleans()):
+        e = sim.shape[0]
+        odd = torch.rand(ids.shape, generator=g) < 0.2
+        ids = torch.where(odd, torch.where(torch.rand(ids.shape, generator=g) < 0.5, -1, e + 2), ids).to(ids.dtype)
+    return ids, values, valid, free, sim, S, rho
+
+
+@settings(max_examples=150, deadline=None)
+@given(free_row_cases())
+def test_free_rows_and_ids_outside_the_experts_match_loop_reference(case):
+    ids, values, valid, free, sim, S, rho = case
+    expected = engine_reroute_loop(ids, values, valid, free, sim, S, rho)
+    assert torch.equal(reroute(ids, sim, S, rho, values, valid, free), expected)  # NumPy kernel
+    assert torch.equal(ops.reroute_aten(ids, sim, S, rho, values, valid, free), expected)
+    if not free.any():  # without free rows: the documented rule of valid rows alone
+        assert torch.equal(reroute(ids, sim, S, rho, values, valid), expected)
+
+
+@needs_triton
+@settings(max_examples=60, deadline=None)
+@given(free_row_cases())
+def test_triton_free_rows_and_ids_outside_the_experts(case):
+    ids, values, valid, free, sim, S, rho = case
+    with ops.use_triton():
+        out = reroute(ids, sim, S, rho, values, valid, free)
+    assert torch.equal(out, engine_reroute_loop(ids, values, valid, free, sim, S, rho))
+
+
+def test_free_rows_add_primaries_for_the_others():
+    # row 0 re-routes; row 1 is a prompt row whose experts are read anyway
+    sim = torch.tensor([[1.0, 0.9, 0.2, 0.1], [0.9, 1.0, 0.1, 0.2], [0.2, 0.1, 1.0, 0.8], [0.1, 0.2, 0.8, 1.0]])
+    ids = torch.tensor([[0, 3], [2, 1]])
+    values = torch.tensor([[2.0, 1.0], [2.0, 1.0]])
+    valid = torch.tensor([True, False])
+    assert reroute(ids, sim, 1, 0.0, values, valid).tolist() == [[0, 0], [2, 1]]  # 3 -> the only primary, 0
+    free = torch.tensor([False, True])
+    assert reroute(ids, sim, 1, 0.0, values, valid, free).tolist() == [[0, 2], [2, 1]]  # 3 -> 2, loaded anyway
+
+
 def test_rank_values_and_valid_rows_are_checked():
     ids = torch.zeros(4, 3, dtype=torch.int32)
     sim = torch.eye(5)
@@ -249,3 +294,5 @@ def test_rank_values_and_valid_rows_are_checked():
         reroute(ids, sim, 1, 0.0, torch.zeros(4, 2), None)
     with pytest.raises(RuntimeError, match=r"valid_rows: expected a bool \[4\] tensor"):
         reroute(ids, sim, 1, 0.0, None, torch.ones(3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match=r"free_rows: expected a bool \[4\] tensor"):
+        reroute(ids, sim, 1, 0.0, None, None, torch.ones(4, dtype=torch.int32))

@@ -64,12 +64,19 @@ def _row_starts(t: int, k: int) -> np.ndarray:
 
 
 def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
-            rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+            rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
+            free_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``sere.reroute`` for CPU tensors (same contract as ``sere_fx.ops.reroute_aten``)."""
     sim, cand, row_base, experts = _candidates(similarity)
     e = sim.shape[0]
     ids = _array(topk_ids)
     t, k = ids.shape
+    # Ids outside [0, E) (padding, fused shared experts) are rare: two reductions tell, and only
+    # then are they sent to the scratch slot E and restored at the end.
+    outside = None
+    if t and (ids.min() < 0 or ids.max() >= e):
+        outside = (ids < 0) | (ids >= e)
+        original, ids = ids, np.where(outside, e, ids)
     if rank_values is None:
         primary_ids = ids[:, :S]
     else:
@@ -80,12 +87,15 @@ def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float
             best = np.argsort(-values, axis=1, kind="stable")[:, :S]
         primary_ids = ids.take(best + _row_starts(t, k))
     valid = None if valid_rows is None else _array(valid_rows)
+    free = None if free_rows is None else (_array(free_rows) if valid is None else _array(free_rows) & ~valid)
     if valid is not None and valid.all():  # pure decode steps: every row counts
         valid = None
     if valid is not None:
         primary_ids = np.where(valid[:, None], primary_ids, e)  # invalid rows: a scratch slot
     primary = np.zeros(e + 1, dtype=bool)
     primary[primary_ids] = True
+    if free is not None:  # every expert of the free rows is read anyway
+        primary[ids[free]] = True
     primary = primary[:e]
     hits = primary.take(cand)
     first = row_base + hits.argmax(axis=1)
@@ -94,11 +104,16 @@ def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float
     if not found.all():  # no primary among the prefix (or no valid row at all): full rows
         rows = np.flatnonzero(~found)
         table[rows] = np.where(primary[None, :], sim[rows], -np.inf).argmax(axis=1)
-    keep = primary
+    keep = primary if primary.any() else np.ones(e, dtype=bool)  # no primary: nothing to re-route to
     if rho > 0:
         keep = keep | (sim[experts, table] < np.float32(rho))
     np.copyto(table, experts, where=keep)
-    out = table.take(ids)
+    if outside is not None:
+        table = np.append(table, e)  # the scratch slot maps to itself
+        ids = original
+        out = np.where(outside, ids, table.take(np.where(outside, e, ids)))
+    else:
+        out = table.take(ids)
     if valid is not None:
         out = np.where(valid[:, None], out, ids)
     return torch.from_numpy(out.astype(ids.dtype, copy=False))
