@@ -72,56 +72,82 @@ def _per_layer(name: str, value, layers):
     return {layer.index: value for layer in layers}
 
 
+def _layer_plan(p, s, r, n, where: dict, layer=None, matrix=None) -> LayerPlan:
+    """One layer's settings checked; ``where`` holds each argument's ``[layer]`` suffix for messages.
+
+    Without ``layer`` (model-independent checks) S is checked only for >= 1 and a ``Quantile``
+    is kept as it is; with it, S against the layer's top-k and a quantile resolved on ``matrix``.
+    """
+    if p not in POLICIES:
+        raise ValueError(f"policy{where['policy']}: expected one of {list(POLICIES)}, got {p!r}")
+    if isinstance(s, bool) or not isinstance(s, int):
+        raise TypeError(f"S{where['S']}: expected an int, got {s!r} ({type(s).__name__})")
+    if layer is not None and not 1 <= s <= layer.top_k:
+        raise ValueError(f"S{where['S']}: expected an integer in [1, {layer.top_k}] (top-k of {layer.name}), got {s}")
+    if s < 1:
+        raise ValueError(f"S{where['S']}: expected an integer >= 1, got {s}")
+    w = where["rho"]
+    if p in INDEX_POLICIES:
+        if r is None:
+            r = DEFAULT_RHO
+        if isinstance(r, Quantile):
+            if layer is not None:
+                r = r.resolve(matrix)
+        else:
+            r = check_finite_float(f"rho{w}", r)
+    elif p == "weight":
+        if isinstance(r, Quantile):
+            raise ValueError(f"rho{w}: policy 'weight' takes an importance threshold (a float >= 0), "
+                             f"not a similarity quantile; got {r!r}")
+        if r is not None:
+            r = check_finite_float(f"rho{w}", r)
+            if r < 0:
+                raise ValueError(f"rho{w}: expected an importance threshold >= 0 for policy 'weight', got {r}")
+    elif r is not None:
+        raise ValueError(f"rho{w}: policy {p!r} does not use rho (leave it None), got {r!r}")
+    w = where["N"]
+    if p == "weight":
+        if n is None and r is None:
+            raise ValueError(f"N{w}: policy 'weight' needs N (experts per call), rho (an importance "
+                             "threshold) or both; got neither")
+        count = isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        fraction = isinstance(n, float) and 0 < n < 1
+        if n is not None and not (count or fraction):
+            raise ValueError(f"N{w}: expected a positive int (experts per call), a float in (0, 1) (a fraction "
+                             f"of the experts the call's tokens picked) or None, got {n!r}")
+    elif n is not None:
+        raise ValueError(f"N{w}: only policy 'weight' takes an expert budget (leave it None for {p!r}), got {n!r}")
+    return LayerPlan(p, s, r, n)
+
+
+_NAMES = ("policy", "S", "rho", "N")
+
+
 def build_plan(layers, policy, S, rho, matrices: Mapping[int, torch.Tensor] | None, N=None) -> dict[int, LayerPlan]:
     """Validate settings against the model's MoE layers; every error names the argument."""
-    policies = _per_layer("policy", policy, layers)
-    sizes = _per_layer("S", S, layers)
-    rhos = _per_layer("rho", rho, layers)
-    budgets = _per_layer("N", N, layers)
+    values = dict(zip(_NAMES, (policy, S, rho, N)))
+    per_layer = {name: _per_layer(name, value, layers) for name, value in values.items()}
     plan = {}
     for layer in layers:
         i = layer.index
-        p, s, r, n = policies[i], sizes[i], rhos[i], budgets[i]
-        where = f"[{i}]" if isinstance(policy, Mapping) else ""
-        if p not in POLICIES:
-            raise ValueError(f"policy{where}: expected one of {list(POLICIES)}, got {p!r}")
-        where = f"[{i}]" if isinstance(S, Mapping) else ""
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise TypeError(f"S{where}: expected an int, got {s!r} ({type(s).__name__})")
-        if not 1 <= s <= layer.top_k:
-            raise ValueError(f"S{where}: expected an integer in [1, {layer.top_k}] (top-k of {layer.name}), got {s}")
-        where = f"[{i}]" if isinstance(rho, Mapping) else ""
-        if p in INDEX_POLICIES:
-            if r is None:
-                r = DEFAULT_RHO
-            if isinstance(r, Quantile):
-                r = r.resolve(matrices[i])
-            r = check_finite_float(f"rho{where}", r)
-        elif p == "weight":
-            if isinstance(r, Quantile):
-                raise ValueError(f"rho{where}: policy 'weight' takes an importance threshold (a float >= 0), "
-                                 f"not a similarity quantile; got {r!r}")
-            if r is not None:
-                r = check_finite_float(f"rho{where}", r)
-                if r < 0:
-                    raise ValueError(f"rho{where}: expected an importance threshold >= 0 for policy 'weight', got {r}")
-        elif r is not None:
-            raise ValueError(f"rho{where}: policy {p!r} does not use rho (leave it None), got {r!r}")
-        where = f"[{i}]" if isinstance(N, Mapping) else ""
-        if p == "weight":
-            if n is None and r is None:
-                raise ValueError(f"N{where}: policy 'weight' needs N (experts per call), rho (an importance "
-                                 "threshold) or both; got neither")
-            count = isinstance(n, int) and not isinstance(n, bool) and n >= 1
-            fraction = isinstance(n, float) and 0 < n < 1
-            if n is not None and not (count or fraction):
-                raise ValueError(f"N{where}: expected a positive int (experts per call), a float in (0, 1) (a fraction "
-                                 f"of the experts the call's tokens picked) or None, got {n!r}")
-        elif n is not None:
-            raise ValueError(f"N{where}: only policy 'weight' takes an expert budget (leave it None for {p!r}), "
-                             f"got {n!r}")
-        plan[i] = LayerPlan(p, s, r, n)
+        where = {name: f"[{i}]" if isinstance(value, Mapping) else "" for name, value in values.items()}
+        plan[i] = _layer_plan(*(per_layer[name][i] for name in _NAMES), where, layer,
+                              None if matrices is None else matrices.get(i))
     return plan
+
+
+def check_settings(policy, S, rho, N=None) -> None:
+    """The model-independent part of ``build_plan``: each value's type and range, for every layer
+    a mapping names (``{layer: value}`` mappings may name different layers; ``build_plan`` checks
+    them against the model)."""
+    values = dict(zip(_NAMES, (policy, S, rho, N)))
+    keys = sorted({k for v in values.values() if isinstance(v, Mapping) for k in v}) or [None]
+    for key in keys:
+        where = {name: f"[{key}]" if isinstance(value, Mapping) else "" for name, value in values.items()}
+        picked = [value.get(key) if isinstance(value, Mapping) else value for value in values.values()]
+        if picked[0] is None or picked[1] is None:
+            continue  # a layer a mapping leaves out: build_plan names it against the model
+        _layer_plan(*picked, where)
 
 
 def save_plan(path: str | os.PathLike, plan: Mapping[int, LayerPlan], **extra) -> None:

@@ -30,6 +30,11 @@ Top-k policies replace the router's top-k itself and need the full score vector:
   their own ranking, exactly as ``oea`` does. A count fixes a deployment's expert reads per
   step; a fraction fixes the saving on every step, whatever the batch.
 
+Engines that keep some rows on the model's routing (a mixed step's prompt rows) read those
+rows' experts anyway. ``free`` (bool ``[E]``) names such experts: for ``sere`` and the
+ablations they join the primary set (``sere.reroute``'s ``free_rows``); for ``oea`` and
+``weight`` they join the loaded set, outside ``N``'s count.
+
 Every policy leaves calls with more than ``max_tokens`` tokens, and every call inside
 ``with sere_fx.bypass():``, exactly as the model would have routed them.
 """
@@ -83,17 +88,19 @@ def _by_size(tokens, max_tokens: int | None, stats, policy_fn, model_fn, operand
 
 def ablation_reroute(ranked: torch.Tensor, similarity: torch.Tensor, S: int, rho: float, target: str,
                      generator: torch.Generator | None = None, rank_values: torch.Tensor | None = None,
-                     valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+                     valid_rows: torch.Tensor | None = None, free: torch.Tensor | None = None) -> torch.Tensor:
     """``least_similar`` / ``random`` re-routing of ids ``[T, K]`` (see module doc).
 
     ``rank_values`` / ``valid_rows`` as for ``sere.reroute``: without them the slots are in
-    rank order and every row counts.
+    rank order and every row counts; ``free``: experts read anyway (module doc).
     """
     if S >= ranked.shape[1] or ranked.shape[0] == 0:
         return ranked.clone()
     sim = similarity.to(torch.float32)
     e = sim.shape[0]
     primary = primary_mask(ranked, S, e, rank_values, valid_rows)
+    if free is not None:
+        primary = primary | free
     if target == "least_similar":
         choice = sim.masked_fill(~primary, float("inf")).argmin(dim=1)
     elif target == "random":
@@ -166,22 +173,28 @@ def _refill(scores: torch.Tensor, k: int, loaded: torch.Tensor, neutral: float,
     return values.masked_fill(~filled, neutral), ids
 
 
-def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows: torch.Tensor | None = None):
+def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows: torch.Tensor | None = None,
+               free: torch.Tensor | None = None):
     """OEA on flat scores ``[T, E]``: returns (values, ids, own), each ``[T, k]``, rank-ordered.
 
     ``own`` is every token's own top-k. With ``valid_rows`` (bool ``[T]``) only those rows form
-    the loaded set and are re-selected; the other rows get their own top-k.
+    the loaded set and are re-selected; the other rows get their own top-k. ``free``: experts
+    read anyway, added to the loaded set.
     """
     own = torch.topk(scores, k, dim=-1).indices
     loaded = primary_mask(own, k0, scores.shape[-1], valid_rows=valid_rows)  # the same rule as SERE's primaries
+    if free is not None:
+        loaded = loaded | free
     values, ids = _refill(scores, k, loaded, neutral, valid_rows)
     return values, ids, own
 
 
 def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: float | None = None,
-                  N: int | float | None = None, probs: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None):
+                  N: int | float | None = None, probs: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
+                  free: torch.Tensor | None = None):
     """The ``weight`` policy on flat scores ``[T, E]`` (see module doc); returns (values, ids, own) as
-    ``oea_select`` does. Give ``rho``, ``N`` or both.
+    ``oea_select`` does. Give ``rho``, ``N`` or both. ``free``: experts read anyway, added to the
+    loaded set after the budget (they cost nothing, so ``N`` does not count them).
 
     Shares come from ``probs`` (``[T, E]``, the router's probabilities) when given, else from the
     scores: a softmax of the top-k values where they are logits (``neutral`` -inf), the values
@@ -203,6 +216,8 @@ def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: 
     picked = primary_mask(own, k, num_experts, valid_rows=valid_rows)  # what the model itself would read
     kept = primary_mask(own, S, num_experts, valid_rows=valid_rows)
     loaded = picked if rho is None else kept | (picked & (importance >= rho))
+    if free is not None:
+        loaded = loaded & ~free  # read anyway: outside the budget, added back below
     if isinstance(N, float):  # a fraction of what this call picked: a tensor, decided per call
         N = (picked.sum().double() * N + 1e-9).floor().clamp_min(1)  # float64: 0.6 * 5 is 3, not 2.99
     if N is not None and (isinstance(N, torch.Tensor) or N < num_experts):
@@ -214,6 +229,8 @@ def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: 
         ahead = (key.unsqueeze(0) > key.unsqueeze(1)) | ((key.unsqueeze(0) == key.unsqueeze(1))
                                                          & (index.unsqueeze(0) < index.unsqueeze(1)))
         loaded = loaded & (ahead.sum(dim=1) < N)
+    if free is not None:
+        loaded = loaded | free
     values, ids = _refill(scores, k, loaded, neutral, valid_rows)
     return values, ids, own
 

@@ -7,7 +7,7 @@ import math
 import torch
 
 
-def _remap_loop(topk_ids, similarity, S: int, rho: float, target: str):
+def _remap_loop(topk_ids, similarity, S: int, rho: float, target: str, free=()):
     """Nested Python loops over tokens and slots. Critical = the best primary match is below
     rho (float32 comparison); a re-routed slot goes to the most (``target="best"``) or least
     (``"least"``) similar primary, ties to the lowest expert index."""
@@ -15,7 +15,7 @@ def _remap_loop(topk_ids, similarity, S: int, rho: float, target: str):
     if not ids or S >= len(ids[0]):
         return torch.tensor(ids, dtype=torch.int64).reshape(topk_ids.shape)
     sim = similarity.to(torch.float32).tolist()
-    primary = sorted({row[s] for row in ids for s in range(S)})
+    primary = sorted({row[s] for row in ids for s in range(S)} | set(free))
     rho32 = float(torch.tensor(rho, dtype=torch.float32))
     out = []
     for row in ids:
@@ -91,18 +91,26 @@ def engine_reroute_loop(topk_ids, topk_values, valid_rows, free_rows, similarity
     return torch.tensor(out, dtype=topk_ids.dtype).reshape(topk_ids.shape)
 
 
-def least_similar_loop(topk_ids, similarity, S: int, rho: float):
-    """``least_similar``: SERE's primary and critical sets, target = least similar primary."""
-    return _remap_loop(topk_ids, similarity, S, rho, "least")
+def least_similar_loop(topk_ids, similarity, S: int, rho: float, free=()):
+    """``least_similar``: SERE's primary and critical sets, target = least similar primary;
+    ``free``: experts that join the primary set (read anyway)."""
+    return _remap_loop(topk_ids, similarity, S, rho, "least", free)
 
 
-def oea_loop(scores, k: int, k0: int):
-    """OEA selection per token (plain loops): list of expert lists, rank order, length <= k."""
+def oea_loop(scores, k: int, k0: int, valid=None, free=()):
+    """OEA selection per token (plain loops): list of expert lists, rank order, length <= k.
+
+    Rows where ``valid`` is False keep their own top-k and take no part; ``free``: experts
+    loaded anyway."""
     rows = scores.tolist()
+    valid = [True] * len(rows) if valid is None else [bool(v) for v in valid]
     ranking = [sorted(range(len(r)), key=lambda e: (-r[e], e)) for r in rows]
-    loaded = {e for rank in ranking for e in rank[:k0]}
+    loaded = {e for rank, ok in zip(ranking, valid) if ok for e in rank[:k0]} | set(free)
     chosen = []
-    for rank in ranking:
+    for rank, ok in zip(ranking, valid):
+        if not ok:
+            chosen.append(rank[:k])
+            continue
         picks = list(rank[:k0])
         for e in rank[k0:]:
             if len(picks) == k:
@@ -128,12 +136,13 @@ def reroute_rows_loop(topk_ids, topk_values, valid_rows, similarity, S: int, rho
     return out
 
 
-def weight_loop(scores, k: int, S: int, rho=None, N=None, logits: bool = False, valid=None, probs=None):
+def weight_loop(scores, k: int, S: int, rho=None, N=None, logits: bool = False, valid=None, probs=None, free=()):
     """The ``weight`` policy per token (plain loops, float64): list of expert lists, rank order.
 
     ``logits``: shares are a softmax of each token's top-k scores, else the scores over their
     sum; ``probs``: shares from these instead (the scores only rank). Rows where ``valid`` is
-    False keep their own top-k and take no part.
+    False keep their own top-k and take no part. ``free``: experts loaded anyway, outside the
+    budget.
     """
     rows = scores.double().tolist()
     weights = rows if probs is None else probs.double().tolist()
@@ -150,7 +159,9 @@ def weight_loop(scores, k: int, S: int, rho=None, N=None, logits: bool = False, 
         picked.update(top)
         kept.update(rank[:S])
     loaded = set(picked) if rho is None else kept | {e for e in picked if importance[e] >= rho}
+    loaded -= set(free)
     if N is not None:
         count = N if isinstance(N, int) else max(1, math.floor(N * len(picked) + 1e-9))
         loaded = set(sorted(loaded, key=lambda e: (e not in kept, -importance[e], e))[:count])
+    loaded |= set(free)
     return [rank[:k] if not ok else [e for e in rank if e in loaded][:k] for rank, ok in zip(ranking, valid)]

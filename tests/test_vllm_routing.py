@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ else:
 
 from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter  # noqa: E402
 
-from reference import least_similar_loop, oea_loop, rank_order, reroute_rows_loop, weight_loop  # noqa: E402
+from reference import engine_reroute_loop, least_similar_loop, oea_loop, rank_order, weight_loop  # noqa: E402
 from sere_fx.plan import LayerPlan  # noqa: E402
 from sere_fx.vllm import engine  # noqa: E402
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install  # noqa: E402
@@ -51,15 +52,30 @@ def logits(seed: int = 0):
     return torch.randn(T, E, generator=torch.Generator().manual_seed(seed)) * 2
 
 
+def plan(state, req_ids, prefilling, query_lens, pad_to=None, new=(), drafts=None, finished=()):
+    """One engine step as a model runner hands it over: requests in row order, which are
+    prefilling, their query lengths (``query_start_loc``, padded to ``pad_to`` rows as for CUDA
+    graphs), newly scheduled requests with their sampling params, draft tokens, finished ids."""
+    qsl = [0, *np.cumsum(query_lens).tolist()]
+    if pad_to is not None:
+        qsl += [qsl[-1]] * 2  # two empty (padded) requests
+    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r, sampling_params=p) for r, p in new],
+                          finished_req_ids=set(finished), scheduled_spec_decode_tokens=drafts or {})
+    state.plan_step(out, req_ids, np.array(prefilling), torch.tensor(qsl, dtype=torch.int32))
+    state.refresh()
+
+
+# requests a and b decode (1 token), c prefills 5 tokens, d decodes, e prefills 4 tokens
+MIXED = (list("abcde"), [False, False, True, False, True], [1, 1, 5, 1, 4])
+
+
 @pytest.fixture
 def engine_state(monkeypatch):
     """A fresh per-process engine state whose decode rows come from a mixed batch."""
     state = engine._Engine()
     monkeypatch.setattr(engine, "ENGINE", state)
-    state.allocate(64, "cpu")
-    # requests: 0 and 1 decode (1 token), 2 prefills 5 tokens, 3 decodes, 4 prefills 4 tokens
-    qsl = torch.tensor([0, 1, 2, 7, 8, 12], dtype=torch.int32)
-    state.refresh({"layers.0.attn": SimpleNamespace(query_start_loc=qsl)})
+    state.allocate(64, 16, "cpu")
+    plan(state, *MIXED)
     return state
 
 
@@ -67,22 +83,51 @@ DECODE_ROWS = torch.zeros(T, dtype=torch.bool)
 DECODE_ROWS[[0, 1, 7]] = True
 
 
-def test_row_masks_follow_query_start_loc(engine_state):
-    assert torch.equal(engine_state.decode[:T], DECODE_ROWS)
-    assert engine_state.real[:T].all() and not engine_state.real[T:].any()
-    # a padded batch (CUDA graphs): two empty requests, 16 rows of which 4 are padding
-    engine_state.refresh({"x": SimpleNamespace(query_start_loc=torch.tensor([0, 1, 2, 7, 8, 12, 12, 12]))})
-    assert torch.equal(torch.ops.sere.engine_rows(torch.zeros(16, 2), True)[:T], DECODE_ROWS)
-    assert not torch.ops.sere.engine_rows(torch.zeros(16, 2), True)[T:].any()
-    assert torch.equal(torch.ops.sere.engine_rows(torch.zeros(16, 2), False), torch.arange(16) < 12)
-    # no attention metadata (profiling runs): nothing is a decode row
-    engine_state.refresh(None)
-    assert not torch.ops.sere.engine_rows(torch.zeros(16, 2), True).any()
+def masks(n):
+    rows, kept = torch.ops.sere.engine_rows(torch.zeros(n, 2))
+    return rows, kept
+
+
+def test_row_masks_follow_request_state(engine_state):
+    rows, kept = masks(T)
+    assert torch.equal(rows, DECODE_ROWS) and torch.equal(kept, ~DECODE_ROWS)
+    assert not masks(64)[0][T:].any() and not masks(64)[1][T:].any()  # past the step's rows: neither
+    # prefix caching: a request that computes only its last prompt token is prefilling (1 query
+    # token); speculative verification: a decoding request with 1 + 3 rows re-routes all four
+    plan(engine_state, ["p", "v", "q"], [True, False, False], [1, 4, 1], pad_to=8)
+    rows, kept = masks(8)
+    assert rows.tolist() == [False, True, True, True, True, True, False, False]
+    assert kept.tolist() == [True] + [False] * 7  # padding rows are neither
+    # a forward nobody planned (profiling, CUDA-graph capture, a draft model's pass): no rows
+    engine_state.refresh()
+    assert not masks(8)[0].any() and not masks(8)[1].any()
+
+
+def test_requests_can_opt_out(engine_state):
+    out = SimpleNamespace(extra_args={"sere": False})
+    plan(engine_state, *MIXED, new=[("a", out), ("d", SimpleNamespace(extra_args={"sere": True})),
+                                     ("e", SimpleNamespace(extra_args=None))])
+    rows, kept = masks(T)
+    assert rows.nonzero().flatten().tolist() == [1, 7] and kept[0]
+    plan(engine_state, *MIXED)  # the choice lasts for the request's life ...
+    assert masks(T)[0].nonzero().flatten().tolist() == [1, 7]
+    plan(engine_state, *MIXED, finished=["a"])  # ... and ends with it (ids may be reused)
+    assert masks(T)[0].nonzero().flatten().tolist() == [0, 1, 7]
+
+
+def test_spec_decode_keep_leaves_verification_rows_alone(engine_state):
+    engine_state.spec_decode = "keep"
+    plan(engine_state, ["v", "w"], [False, False], [3, 1], drafts={"v": [5, 6]})
+    assert masks(4)[0].tolist() == [False, False, False, True]
+    engine_state.spec_decode = "reroute"
+    plan(engine_state, ["v", "w"], [False, False], [3, 1], drafts={"v": [5, 6]})
+    assert masks(4)[0].tolist() == [True] * 4
 
 
 def test_no_engine_step_means_no_rerouting(monkeypatch):
     monkeypatch.setattr(engine, "ENGINE", engine._Engine())
-    assert not torch.ops.sere.engine_rows(torch.zeros(5, 2), True).any()
+    rows, kept = masks(5)
+    assert not rows.any() and not kept.any()
 
 
 @pytest.mark.parametrize("kind", list(ROUTERS))
@@ -105,12 +150,12 @@ def similarity(seed=3):
     return ((m + m.T) / 2).fill_diagonal_(1.0)
 
 
-def routed(kind, plan, stats=False, decode_only=True, layer=0):
+def routed(kind, plan, stats=False, layer=0):
     """(router's own output, the plugin's output) for the same logits."""
     x = logits(2)
     own = make_router(kind)._compute_routing(torch.zeros(T, H), x, None)
     router = make_router(kind)
-    routing = LayerRouting(layer, plan, RouterScores.of(router), similarity(), E, decode_only, stats)
+    routing = LayerRouting(layer, plan, RouterScores.of(router), similarity(), E, stats)
     install(router, routing)
     return x, own, router.select_experts(torch.zeros(T, H), x)
 
@@ -125,11 +170,17 @@ def _rank_values(kind, x, weights, ids):
 def test_sere_reroutes_decode_rows_only(engine_state, kind, rho):
     x, (w0, ids0), (w1, ids1) = routed(kind, LayerPlan("sere", 2, rho))
     assert torch.equal(w1, w0), "weights must stay the router's"
-    expected = reroute_rows_loop(ids0, _rank_values(kind, x, w0, ids0), DECODE_ROWS, similarity(), 2, rho)
+    # the prompt rows' experts are read anyway: they join the primary set
+    expected = engine_reroute_loop(ids0, _rank_values(kind, x, w0, ids0), DECODE_ROWS, ~DECODE_ROWS, similarity(), 2,
+                                   rho)
     assert torch.equal(ids1, expected)
     assert torch.equal(ids1[~DECODE_ROWS], ids0[~DECODE_ROWS])
-    if rho == 0.0:
-        assert not torch.equal(ids1, ids0)
+    if rho == 0.0:  # every decode row now reads only primaries: decode rows' top-2 and the prompt rows' experts
+        perm = rank_order(ids0, _rank_values(kind, x, w0, ids0))
+        rows = DECODE_ROWS.nonzero().flatten().tolist()
+        loaded = {int(ids0[t, perm[t, s]]) for t in rows for s in range(2)}
+        loaded |= {e for t in range(T) if t not in rows for e in ids0[t].tolist()}
+        assert {e for t in rows for e in ids1[t].tolist()} <= loaded
 
 
 def test_rho_above_every_similarity_is_the_identity(engine_state):
@@ -143,7 +194,8 @@ def test_least_similar_on_decode_rows(engine_state):
     rows = DECODE_ROWS.nonzero().flatten()
     ranked = ids0.long().gather(1, perm)[rows]
     expected = ids0.clone()
-    back = least_similar_loop(ranked, similarity(), 2, 0.0)
+    free = sorted({e for t in (~DECODE_ROWS).nonzero().flatten().tolist() for e in ids0[t].tolist()})
+    back = least_similar_loop(ranked, similarity(), 2, 0.0, free=free)
     for i, t in enumerate(rows.tolist()):
         expected[t, perm[t]] = back[i].to(expected.dtype)
     assert torch.equal(ids1, expected)
@@ -158,11 +210,12 @@ def test_topk_policies_on_decode_rows(engine_state, kind, policy):
     scores = RouterScores.of(make_router(kind))
     sel = scores.selection(x)
     rows = DECODE_ROWS.nonzero().flatten().tolist()
+    free = {e for t in range(T) if t not in rows for e in ids0[t].tolist()}  # prompt rows' experts: read anyway
     if policy == "oea":
-        picks = oea_loop(sel[rows], K, S)
+        picks = oea_loop(sel[rows], K, S, free=free)
     elif policy == "weight":  # ranked by the selection score, weighed by the router's probabilities
-        picks = weight_loop(sel[rows], K, S, 0.3, 6, probs=scores.probabilities(x)[rows])
-        assert len({e for p in picks for e in p}) <= 6 < len({e for t in rows for e in ids0[t].tolist()})
+        picks = weight_loop(sel[rows], K, S, 0.3, 6, probs=scores.probabilities(x)[rows], free=free)
+        assert len({e for p in picks for e in p} - free) <= 6 < len({e for t in rows for e in ids0[t].tolist()})
     else:
         picks = [sorted(range(E), key=lambda e: (-float(sel[t, e]), e))[:S] for t in rows]
     probs = scores.probabilities(x)
@@ -179,8 +232,12 @@ def test_topk_policies_on_decode_rows(engine_state, kind, policy):
 
 
 def test_decode_only_false_reroutes_every_real_row(engine_state):
-    x, (w0, ids0), (w1, ids1) = routed("softmax", LayerPlan("sere", 2, 0.0), decode_only=False)
-    assert torch.equal(ids1, reroute_rows_loop(ids0, w0, torch.ones(T, dtype=torch.bool), similarity(), 2, 0.0))
+    engine_state.decode_only = False
+    plan(engine_state, *MIXED, new=[("c", SimpleNamespace(extra_args={"sere": False}))])
+    c_rows = torch.zeros(T, dtype=torch.bool)
+    c_rows[2:7] = True  # request c opted out: its rows stay, the rest are re-routed
+    x, (w0, ids0), (w1, ids1) = routed("softmax", LayerPlan("sere", 2, 0.0))
+    assert torch.equal(ids1, engine_reroute_loop(ids0, w0, ~c_rows, c_rows, similarity(), 2, 0.0))
 
 
 def test_statistics_count_decode_rows(engine_state):
@@ -191,7 +248,8 @@ def test_statistics_count_decode_rows(engine_state):
     before = {e for t in rows for e in ids0[t].tolist()}
     after = {e for t in rows for e in ids1[t].tolist()}
     perm = rank_order(ids0, w0)
-    primary = {int(ids0[t, perm[t, s]]) for t in rows for s in range(2)}
+    free = {e for t in range(T) if t not in rows for e in ids0[t].tolist()}
+    primary = {int(ids0[t, perm[t, s]]) for t in rows for s in range(2)} | free
     assert stats == {
         "decode_steps": 1.0,
         "decode_rows": float(len(rows)),

@@ -18,7 +18,7 @@ else:
 from sere_fx import Similarity  # noqa: E402
 from sere_fx.plan import LayerPlan, Quantile, save_plan  # noqa: E402
 from sere_fx.vllm import engine  # noqa: E402
-from sere_fx.vllm.settings import EngineLayer, SettingsError, parse, resolve_layers  # noqa: E402
+from sere_fx.vllm.settings import EngineLayer, SettingsError, ignored_similarity, parse, resolve_layers  # noqa: E402
 
 LAYERS = [EngineLayer(i, f"model.layers.{i}.mlp.experts", 8, 4) for i in (0, 1)]
 KEY = re.escape('additional_config["sere"]')  # a regex: every message below is matched with it
@@ -117,23 +117,88 @@ def test_similarity_must_fit_the_served_model(tmp_path, sim_file):
         resolve({"sim": sim_file, "plan": str(bad_plan)})
 
 
-def _vllm_config(dp=1):
+def _vllm_config(dp=1, dbo=False, pcp=1):
     return SimpleNamespace(
-        parallel_config=SimpleNamespace(data_parallel_size=dp),
+        parallel_config=SimpleNamespace(data_parallel_size=dp, use_ubatching=dbo, enable_dbo=dbo, ubatch_size=0,
+                                        prefill_context_parallel_size=pcp, pipeline_parallel_size=1),
         model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])),
     )
 
 
-def test_attach_refuses_models_without_moe_layers_and_data_parallel(sim_file):
+def test_attach_refuses_models_without_moe_layers_and_engines_it_cannot_follow(sim_file):
     with pytest.raises(SettingsError, match=f"{KEY}: the served model \\(LlamaForCausalLM\\) has no MoE layer"):
         engine.attach(torch.nn.Linear(2, 2), _vllm_config(), {"sim": sim_file})
     with pytest.raises(SettingsError, match=f"{KEY}: data_parallel_size 2 is not supported \\(expected 1\\)"):
         engine.attach(torch.nn.Linear(2, 2), _vllm_config(dp=2), {"sim": sim_file})
+    with pytest.raises(SettingsError, match=f"{KEY}: micro-batching \\(enable_dbo=True, ubatch_size=0\\) .* expected "
+                                            "it off \\(leave out --enable-dbo and --ubatch-size\\)"):
+        engine.check_engine_config(_vllm_config(dbo=True))
+    with pytest.raises(SettingsError, match=f"{KEY}: prefill_context_parallel_size 2 is not supported"):
+        engine.check_engine_config(_vllm_config(pcp=2))
+    # a model runner whose request state the plugin does not read: refused, never silently inert
+    with pytest.raises(SettingsError, match=f"{KEY}: the model runner object is not one whose request state"):
+        engine.attach(torch.nn.Linear(2, 2), _vllm_config(), {"sim": sim_file}, runner=object())
 
 
-def _runner(index, monolithic=False):
+@pytest.mark.parametrize(
+    "raw, message",
+    [  # caught before any worker starts (they used to end 20-50 s later in the workers)
+        ({"rho": "0.5"}, f'{KEY}\\["rho"\\]: expected a finite float, got \'0.5\' \\(str\\)'),
+        ({"S": 0}, f'{KEY}\\["S"\\]: expected an integer >= 1, got 0'),
+        ({"policy": "sere", "N": 4}, f'{KEY}\\["N"\\]: only policy \'weight\' takes an expert budget'),
+        ({"policy": {"0": "weight"}, "S": {"0": 1}}, f'{KEY}\\["N"\\]: policy \'weight\' needs N'),
+        ({"spec_decode": "skip"}, f'{KEY}\\["spec_decode"\\]: expected one of \\[\'reroute\', \'keep\'\\], got \'skip\''),
+        ({"policy": "sere"}, f'{KEY}\\["sim"\\]: policy \'sere\' needs a similarity file'),
+    ],
+)
+def test_parse_checks_every_value(raw, message):
+    with pytest.raises(SettingsError, match=message):
+        parse(raw)
+
+
+def test_plan_with_other_routing_keys_and_bad_plans_fail_in_parse(tmp_path, sim_file):
+    plan_path = tmp_path / "plan.json"
+    save_plan(plan_path, {0: LayerPlan("sere", 2, 0.1), 1: LayerPlan("oea", 2)})
+    with pytest.raises(SettingsError, match=f'{KEY}\\["S"\\]: the plan file sets it per layer; expected it left out'):
+        parse({"sim": sim_file, "plan": str(plan_path), "S": 2})
+    bad = tmp_path / "bad.json"
+    save_plan(bad, {0: LayerPlan("sere", 0, 0.1)})
+    with pytest.raises(SettingsError, match=f'{KEY}\\["plan"\\]: layer 0 of .*bad.json.*: S: expected an integer >= 1'):
+        parse({"sim": sim_file, "plan": str(bad)})
+
+
+def test_a_similarity_no_policy_reads_is_reported(sim_file):
+    assert "is ignored" in ignored_similarity(parse({"sim": sim_file, "policy": "oea"}))
+    assert ignored_similarity(parse({"sim": sim_file, "policy": {"0": "oea", "1": "sere"}})) is None
+    assert ignored_similarity(parse({"policy": "oea"})) is None
+
+
+def test_pipeline_stages_take_their_own_layers(sim_file):
+    stage = [EngineLayer(1, "model.layers.1.mlp.experts", 8, 4)]  # the file holds layers 0 and 1
+    plans, matrices = resolve_layers(parse({"sim": sim_file, "S": {"0": 1, "1": 2}}), stage, "MixtralForCausalLM",
+                                     subset=True)
+    assert sorted(plans) == [1] and plans[1].S == 2 and sorted(matrices) == [1]
+    assert torch.equal(matrices[1], Similarity.load(sim_file)[1])
+    with pytest.raises(SettingsError, match="expected matrices for the MoE decoder layers \\[1\\], got layers \\[0, 1\\]"):
+        resolve_layers(parse({"sim": sim_file}), stage, "MixtralForCausalLM")  # without subset: all must match
+    other = [EngineLayer(5, "model.layers.5.mlp.experts", 8, 4)]
+    with pytest.raises(SettingsError, match=f'{KEY}\\["sim"\\]: expected matrices for this pipeline stage\'s MoE '
+                                            "decoder layers \\[5\\], got layers \\[0, 1\\]"):
+        resolve_layers(parse({"sim": sim_file}), other, "MixtralForCausalLM", subset=True)
+
+
+class UnquantizedFusedMoEMethod:  # named as vLLM's, for the refusal's advice
+    pass
+
+
+class Mxfp4MoEMethod:
+    pass
+
+
+def _runner(index, monolithic=False, method=UnquantizedFusedMoEMethod):
     return SimpleNamespace(is_monolithic=monolithic, layer_name=f"model.layers.{index}.mlp.experts",
-                           moe_config=SimpleNamespace(num_logical_experts=8), router=SimpleNamespace(top_k=4))
+                           moe_config=SimpleNamespace(num_logical_experts=8), router=SimpleNamespace(top_k=4),
+                           _quant_method=method())
 
 
 def test_engine_layers_and_monolithic_kernels():
@@ -142,3 +207,5 @@ def test_engine_layers_and_monolithic_kernels():
     with pytest.raises(SettingsError, match=f"{KEY}: model.layers.3.mlp.experts runs a monolithic MoE kernel, .*"
                                             "moe_backend='triton' \\(--moe-backend triton\\)"):
         engine.engine_layers([_runner(0), _runner(3, monolithic=True)])
+    with pytest.raises(SettingsError, match="its weights \\(Mxfp4MoEMethod\\) may have no modular MoE kernel"):
+        engine.engine_layers([_runner(3, monolithic=True, method=Mxfp4MoEMethod)])

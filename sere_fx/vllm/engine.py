@@ -1,28 +1,41 @@
-"""Where the plugin meets the engine: attaching to a loaded model, the per-step row masks, statistics.
+"""Where the plugin meets the engine: attaching to the served model, the per-step row masks, statistics.
 
-- ``attach`` runs in every worker right after vLLM loaded the model (before it is compiled):
-  it finds every MoE layer (``MoERunner``), validates the settings against them and installs
-  a ``LayerRouting`` on each router.
-- Continuous batching mixes prefill and decode tokens in one forward. Once per forward step
-  (when vLLM creates its ``ForwardContext``) two persistent boolean buffers are refreshed from
-  the attention metadata: *decode rows* (the token of a request whose query length is 1)
-  and *real rows* (not padding). ``torch.ops.sere.engine_reroute`` (SERE's whole step: the
-  op's rule on this step's rows) and ``torch.ops.sere.engine_rows`` (a copy of the first T
-  entries, for the other policies) read them. Both are opaque ops, so Dynamo does not freeze
-  the mask of the step it traced; the buffers are persistent and updated by device ops only,
-  so a CUDA-graph replay sees the current step's rows.
+- ``attach`` runs in every worker right after the worker loaded its model (before it is
+  compiled), on the model runner's own model only: a speculative-decoding draft model is
+  loaded by the runner too but never attached. It finds every MoE layer (``MoERunner``),
+  validates the settings against them and installs a ``LayerRouting`` on each router.
+- A row is a *decode row* when its request has computed all its prompt tokens (vLLM's own
+  notion of "not prefilling"), whatever its number of query tokens: a prefix-cache suffix or
+  a 1-token prompt chunk is prompt processing, and all 1+k rows of a speculative verification
+  are decode rows. Each step the model runner hands ``plan_step`` the batch's requests (in row
+  order), which of them are prefilling, the scheduled draft tokens and its device
+  ``query_start_loc``; when the step's ``ForwardContext`` is created, persistent device
+  buffers are filled from them with device ops: *re-routed rows* (decode rows of requests
+  that did not opt out; every real row with ``decode_only: false``) and *kept rows* (the other
+  real rows, whose experts are read anyway and so are free for the re-routed ones). A forward
+  with no planned step (profiling, CUDA-graph capture, a draft model's pass) has neither.
+- ``torch.ops.sere.engine_reroute`` (SERE's whole step: the op's rule on this step's rows) and
+  ``torch.ops.sere.engine_rows`` (copies of both masks, for the other policies) read them.
+  Both are opaque ops, so Dynamo does not freeze the masks of the step it traced; the buffers
+  are persistent and updated by device ops only, so a CUDA-graph replay sees the current step.
 - ``torch.ops.sere.record_routing`` (only when ``stats`` is set) adds per-layer counters on
-  the device, without a host sync; ``worker_stats`` reads them for ``routing_stats``.
+  the device, without a host sync; ``worker_stats`` reads them for ``routing_stats`` and the
+  server's ``/metrics`` (``sere_fx.vllm.metrics``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from sere_fx.ops import primary_mask, reroute_kernel
+from sere_fx.ops import free_experts, primary_mask, reroute_kernel
 from sere_fx.policies import TOPK_POLICIES
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install
 from sere_fx.vllm.settings import WHERE, EngineLayer, SettingsError, parse, resolve_layers, to_device
+
+# The per-request switch: SamplingParams(extra_args={"sere": False}) keeps a request's rows on
+# the model's routing (``"vllm_xargs": {"sere": false}`` through the OpenAI server).
+REQUEST_KEY = "sere"
 
 
 def _logger():
@@ -33,54 +46,94 @@ def _logger():
 
 # Statistic fields, summed on the device per layer: ``decode_steps`` counts calls with at least
 # one re-routed row; the rest are sums over those calls (``prefill_rows``: real rows in them that
-# kept the model's routing, i.e. mixed batches).
+# kept the model's routing: prompt rows of mixed batches, opted-out requests).
 STAT_FIELDS = ("decode_steps", "decode_rows", "prefill_rows", "distinct_before", "distinct_after", "slots_rerouted",
                "critical_kept")
 
 
 class _Engine:
-    """Per-process state: the row buffers and the statistics of the attached layers."""
+    """Per-process state: the row buffers, the planned step and the statistics of the attached layers."""
 
     def __init__(self):
-        self.decode: torch.Tensor | None = None  # bool [max_tokens]
-        self.real: torch.Tensor | None = None  # bool [max_tokens]
-        self.positions: torch.Tensor | None = None  # int64 arange [max_tokens]
+        self.rows: torch.Tensor | None = None  # bool [max_tokens]: re-routed rows
+        self.kept: torch.Tensor | None = None  # bool [max_tokens]: real rows on the model's routing
+        self.positions: torch.Tensor | None = None  # int32 arange [max_tokens]
+        self.request_flags: torch.Tensor | None = None  # bool [max_reqs + 1]: re-routed requests
         self.stats: dict[int, torch.Tensor] = {}  # layer -> float64 [len(STAT_FIELDS)]
         self.layers: dict[int, LayerRouting] = {}
+        self.decode_only = True
+        self.spec_decode = "reroute"
+        self.opted_out: set[str] = set()
+        self.pending = None  # (flags: np.bool_ [n], query_start_loc [n + 1]) of the next forward
+        self._warned: set[str] = set()
 
-    def allocate(self, max_tokens: int, device) -> None:
-        self.decode = torch.zeros(max_tokens, dtype=torch.bool, device=device)
-        self.real = torch.zeros(max_tokens, dtype=torch.bool, device=device)
-        self.positions = torch.arange(max_tokens, device=device)
+    def allocate(self, max_tokens: int, max_requests: int, device) -> None:
+        self.rows = torch.zeros(max_tokens, dtype=torch.bool, device=device)
+        self.kept = torch.zeros(max_tokens, dtype=torch.bool, device=device)
+        self.positions = torch.arange(max_tokens, dtype=torch.int32, device=device)
+        self.request_flags = torch.zeros(max_requests + 1, dtype=torch.bool, device=device)
+        self.pending = None
+        self.opted_out = set()
 
-    def refresh(self, attn_metadata) -> None:
-        """New forward step: recompute both masks from ``query_start_loc`` (device ops only)."""
-        if self.decode is None:
+    def plan_step(self, scheduler_output, req_ids, prefilling: np.ndarray, query_start_loc: torch.Tensor) -> None:
+        """This step's requests, in row order: which are re-routed (host work on the runner's
+        own arrays; nothing waits for the device)."""
+        if self.rows is None:
             return
-        qsl = _query_start_loc(attn_metadata)
-        self.decode.zero_()
-        if qsl is None:  # no attention metadata (profiling and dummy runs): no decode rows
-            self.real.fill_(True)
+        for req in scheduler_output.scheduled_new_reqs:
+            if self._opts_out(req.req_id, req.sampling_params):
+                self.opted_out.add(req.req_id)
+        if scheduler_output.finished_req_ids and self.opted_out:
+            self.opted_out -= scheduler_output.finished_req_ids
+        n = len(req_ids)
+        flags = np.ones(n, dtype=bool) if not self.decode_only else ~np.asarray(prefilling[:n], dtype=bool)
+        if self.opted_out:
+            flags &= np.fromiter((r not in self.opted_out for r in req_ids), dtype=bool, count=n)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        if self.spec_decode == "keep" and drafts:
+            flags &= np.fromiter((not drafts.get(r) for r in req_ids), dtype=bool, count=n)
+        self.pending = (flags, query_start_loc[: n + 1])
+
+    def _opts_out(self, req_id: str, params) -> bool:
+        extra = getattr(params, "extra_args", None) or {}
+        value = extra.get(REQUEST_KEY, True)
+        if isinstance(value, bool):
+            return not value
+        self.warn_once("request-value", "sere-fx: request %s: extra_args[%r] expected true or false, got %r; "
+                       "its rows are re-routed as by default", req_id, REQUEST_KEY, value)
+        return False
+
+    def refresh(self) -> None:
+        """A forward starts: fill the row masks from the planned step, or clear them (device ops only)."""
+        if self.rows is None:
             return
-        qsl = qsl.to(device=self.decode.device, dtype=torch.int64)
-        starts, lengths = qsl[:-1], qsl[1:] - qsl[:-1]
-        # A request with one query token is decoding; padded requests (length 0) start at or past
-        # the last real token, so clamping their start into range writes False on padding rows.
-        self.decode.scatter_(0, starts.clamp(max=self.decode.shape[0] - 1), lengths == 1)
-        torch.lt(self.positions, qsl[-1], out=self.real)
-        self.decode &= self.real
+        pending, self.pending = self.pending, None
+        if pending is None:  # profiling, CUDA-graph capture, a draft model's forward
+            self.rows.zero_()
+            self.kept.zero_()
+            return
+        flags, qsl = pending
+        n = flags.shape[0]
+        host = torch.from_numpy(flags)
+        if self.request_flags.is_cuda:
+            host = host.pin_memory()
+        self.request_flags[:n].copy_(host, non_blocking=True)
+        self.request_flags[n] = False  # rows past the last request (padding) map here
+        qsl = qsl.to(device=self.positions.device, dtype=torch.int32)
+        # each row's request: the number of requests that end at or before it
+        request = torch.searchsorted(qsl[1:], self.positions, right=True).clamp_(max=n)
+        torch.index_select(self.request_flags, 0, request, out=self.rows)
+        torch.lt(self.positions, qsl[-1], out=self.kept)  # real rows
+        self.rows &= self.kept
+        self.kept &= ~self.rows
+
+    def warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            _logger().warning(message, *args)
 
 
 ENGINE = _Engine()
-
-
-def _query_start_loc(attn_metadata):
-    if isinstance(attn_metadata, dict):
-        for meta in attn_metadata.values():
-            qsl = getattr(meta, "query_start_loc", None)
-            if isinstance(qsl, torch.Tensor):
-                return qsl
-    return None
 
 
 # --- custom ops ------------------------------------------------------------------------------
@@ -89,44 +142,46 @@ def _query_start_loc(attn_metadata):
 # every MoE layer of every step.
 
 _LIB = torch.library.Library("sere", "FRAGMENT")
-_LIB.define("engine_rows(Tensor topk_ids, bool decode_only) -> Tensor")
-_LIB.define("engine_reroute(Tensor topk_ids, Tensor similarity, int S, float rho, Tensor rank_values, "
-            "bool decode_only) -> Tensor")
+_LIB.define("engine_rows(Tensor topk_ids) -> (Tensor, Tensor)")
+_LIB.define("engine_reroute(Tensor topk_ids, Tensor similarity, int S, float rho, Tensor rank_values) -> Tensor")
 _LIB.define("record_routing(Tensor before, Tensor after, Tensor rank_values, Tensor rows, int layer, int S, int num_experts) -> Tensor")
 
 
-def _rows(topk_ids: torch.Tensor, decode_only: bool) -> torch.Tensor:
+def _masks(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = topk_ids.shape[0]
-    source = ENGINE.decode if decode_only else ENGINE.real
-    if source is None or n > source.shape[0]:
+    if ENGINE.rows is None or n > ENGINE.rows.shape[0]:
         # Outside an engine step (or a batch larger than the scheduler's token budget): no row is
         # re-routed, so the model routes as it would without the plugin.
-        return torch.zeros(n, dtype=torch.bool, device=topk_ids.device)
-    return source[:n]
+        none = torch.zeros(n, dtype=torch.bool, device=topk_ids.device)
+        return none, none
+    return ENGINE.rows[:n], ENGINE.kept[:n]
 
 
-def _engine_rows(topk_ids: torch.Tensor, decode_only: bool) -> torch.Tensor:
-    return _rows(topk_ids, decode_only).clone()
+def _engine_rows(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, kept = _masks(topk_ids)
+    return rows.clone(), kept.clone()
 
 
-def _engine_reroute(topk_ids, similarity, S: int, rho: float, rank_values, decode_only: bool) -> torch.Tensor:
+def _engine_reroute(topk_ids, similarity, S: int, rho: float, rank_values) -> torch.Tensor:
     # sere.reroute's rule on this step's rows, in one opaque call: the NumPy kernel on the CPU,
     # the Triton kernel on CUDA (sere.reroute itself is inlined by compilers, see sere_fx.ops).
-    return reroute_kernel(topk_ids, similarity, S, rho, rank_values, _rows(topk_ids, decode_only))
+    # Kept rows' experts are read anyway: they join the primary set.
+    rows, kept = _masks(topk_ids)
+    return reroute_kernel(topk_ids, similarity, S, rho, rank_values, rows, kept)
 
 
 def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int) -> torch.Tensor:
     # Experts used by the rows = primary_mask over all K slots.
     k = before.shape[1]
     seen_before, seen_after = primary_mask(before, k, e, valid_rows=rows), primary_mask(after, k, e, valid_rows=rows)
-    primary = primary_mask(before, S, e, rank_values, rows)
+    kept = _masks(rows)[1]
+    primary = primary_mask(before, S, e, rank_values, rows) | free_experts(before, e, kept)  # free: primary too
     n_rows = rows.sum()
     active = n_rows > 0
-    real = ENGINE.real[: rows.shape[0]] if ENGINE.real is not None else torch.ones_like(rows)
     values = torch.stack([
         active.double(),
         n_rows.double(),
-        ((real & ~rows).sum() * active).double(),
+        (kept.sum() * active).double(),
         seen_before.sum().double(),
         seen_after.sum().double(),
         ((before != after) & rows.unsqueeze(1)).sum().double(),
@@ -142,12 +197,13 @@ _LIB.impl("record_routing", _record_routing, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("sere::engine_rows", lib=_LIB)
-def _(topk_ids, decode_only):
-    return topk_ids.new_empty(topk_ids.shape[0], dtype=torch.bool)
+def _(topk_ids):
+    return (topk_ids.new_empty(topk_ids.shape[0], dtype=torch.bool),
+            topk_ids.new_empty(topk_ids.shape[0], dtype=torch.bool))
 
 
 @torch.library.register_fake("sere::engine_reroute", lib=_LIB)
-def _(topk_ids, similarity, S, rho, rank_values, decode_only):
+def _(topk_ids, similarity, S, rho, rank_values):
     return torch.empty_like(topk_ids)
 
 
@@ -165,6 +221,16 @@ def _moe_runners(model):
     return [m for m in model.modules() if isinstance(m, MoERunnerInterface)]
 
 
+def _monolithic_advice(runner) -> str:
+    method = type(getattr(runner, "_quant_method", None) or getattr(runner, "quant_method", None)).__name__
+    if "Unquantized" in method or "Fp8" in method:
+        return ("select a modular MoE backend, e.g. moe_backend='triton' (--moe-backend triton), which serves "
+                f"{method} weights")
+    return (f"its weights ({method}) may have no modular MoE kernel on this platform (MXFP4 runs monolithic "
+            "kernels only): try moe_backend='triton' (--moe-backend triton); if the layer stays monolithic, this "
+            "model cannot be re-routed here")
+
+
 def engine_layers(runners) -> list[EngineLayer]:
     """The engine's MoE layers (``MoERunner`` objects), refusing kernels that route internally."""
     from vllm.model_executor.models.utils import extract_layer_index
@@ -174,35 +240,80 @@ def engine_layers(runners) -> list[EngineLayer]:
         if runner.is_monolithic:
             raise SettingsError(
                 f"{WHERE}: {runner.layer_name} runs a monolithic MoE kernel, which routes inside the kernel, so "
-                "SERE cannot re-route it; select a modular MoE backend with moe_backend='triton' (--moe-backend triton)"
+                f"SERE cannot re-route it; {_monolithic_advice(runner)}"
             )
         layers.append(EngineLayer(extract_layer_index(runner.layer_name), runner.layer_name,
                                   runner.moe_config.num_logical_experts, runner.router.top_k))
     return layers
 
 
-def attach(model, vllm_config, raw) -> dict[int, LayerRouting]:
-    """Install the routing of ``raw`` (``additional_config["sere"]``) on every MoE layer of ``model``."""
-    settings = parse(raw)
+def check_engine_config(vllm_config) -> None:
+    """What the engine's configuration alone tells: refused in the calling process, before any worker starts."""
     parallel = vllm_config.parallel_config
     if parallel.data_parallel_size > 1:
         raise SettingsError(
             f"{WHERE}: data_parallel_size {parallel.data_parallel_size} is not supported (expected 1): data-parallel "
             "ranks route different batches; use tensor_parallel_size (with enable_expert_parallel) instead"
         )
+    if parallel.use_ubatching:
+        raise SettingsError(
+            f"{WHERE}: micro-batching (enable_dbo={parallel.enable_dbo}, ubatch_size={parallel.ubatch_size}) runs a "
+            "step as several forwards over parts of its rows, which sere-fx cannot tell apart; expected it off "
+            "(leave out --enable-dbo and --ubatch-size)"
+        )
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        raise SettingsError(
+            f"{WHERE}: prefill_context_parallel_size {pcp} is not supported (expected 1): it partitions a step's "
+            "rows across ranks, so the rows sere-fx plans are not the rows each rank runs"
+        )
+
+
+def _runner_kinds() -> tuple[type, ...]:
+    """The model runners whose per-step inputs the plugin reads (``sere_fx.vllm.register`` hooks them)."""
+    kinds = []
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+        kinds.append(V1Runner)
+    except ImportError:  # pragma: no cover - depends on the vLLM build
+        pass
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+        kinds.append(V2Runner)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(kinds)
+
+
+def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
+    """Install the routing of ``raw`` (``additional_config["sere"]``) on every MoE layer of ``model``
+    (the served model of ``runner``, whose steps will say which rows are decode rows)."""
+    settings = parse(raw)
+    check_engine_config(vllm_config)
+    if runner is not None and not isinstance(runner, _runner_kinds()):
+        raise SettingsError(
+            f"{WHERE}: the model runner {type(runner).__name__} is not one whose request state sere-fx reads "
+            f"(expected a subclass of {[k.__name__ for k in _runner_kinds()]}), so decode rows cannot be known"
+        )
     runners = _moe_runners(model)
     architecture = (getattr(vllm_config.model_config.hf_config, "architectures", None) or [None])[0]
     if not runners:
         raise SettingsError(f"{WHERE}: the served model ({architecture}) has no MoE layer to re-route")
     layers = engine_layers(runners)
-    plans, matrices = resolve_layers(settings, layers, architecture)
+    pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1
+    plans, matrices = resolve_layers(settings, layers, architecture, subset=pipeline)
     device = vllm_config.device_config.device
     matrices = to_device(matrices, device)
-    ENGINE.allocate(vllm_config.scheduler_config.max_num_batched_tokens, device)
+    scheduler = vllm_config.scheduler_config
+    ENGINE.allocate(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, device)
+    ENGINE.decode_only, ENGINE.spec_decode = settings.decode_only, settings.spec_decode
+    ENGINE.stats = {}
     installed = {}
-    for runner, layer in zip(runners, layers):
+    for runner_, layer in zip(runners, layers):
         plan = plans[layer.index]
-        scores = RouterScores.of(runner.router)
+        scores = RouterScores.of(runner_.router)
         if plan.policy in TOPK_POLICIES and scores.unsupported:
             raise SettingsError(
                 f'{WHERE}["policy"]: {plan.policy!r} recomputes routing weights, but layer {layer.index} '
@@ -213,17 +324,19 @@ def attach(model, vllm_config, raw) -> dict[int, LayerRouting]:
                                 f"sere-fx cannot recompute ({scores.unsupported})")
         if plan.S >= layer.top_k:
             continue  # S = K leaves this layer's routing as it is
-        routing = LayerRouting(layer.index, plan, scores, matrices.get(layer.index), layer.num_experts,
-                               settings.decode_only, settings.stats)
-        install(runner.router, routing)
+        routing = LayerRouting(layer.index, plan, scores, matrices.get(layer.index), layer.num_experts, settings.stats)
+        install(runner_.router, routing)
         installed[layer.index] = routing
         if settings.stats:
             ENGINE.stats[layer.index] = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=device)
     ENGINE.layers = installed
     summary = ", ".join(f"{i}: {p.policy} S={p.S}" + (f" rho={p.rho:.3g}" if p.rho is not None else "")
                         + (f" N={p.N}" if p.N is not None else "") for i, p in sorted(plans.items()))
-    _logger().info("sere-fx: re-routing %d of %d MoE layers (%s); decode_only=%s, stats=%s",
-                len(installed), len(layers), summary, settings.decode_only, settings.stats)
+    speculative = vllm_config.speculative_config
+    _logger().info("sere-fx: re-routing %d of %d MoE layers of %s (%s); decode_only=%s, spec_decode=%s, stats=%s%s",
+                   len(installed), len(layers), architecture, summary, settings.decode_only,
+                   settings.spec_decode if speculative is not None else "n/a", settings.stats,
+                   f"; draft model ({speculative.method}) left alone" if speculative is not None else "")
     return installed
 
 

@@ -15,8 +15,11 @@ whose ``_compute_routing`` calls the original and hands ``(weights, ids)`` to a
   the router's own probabilities for the chosen experts (0 for unfilled slots), normalised
   and scaled as that router does.
 
-Rows that are not decode rows (``decode_only``) or are padding keep the router's output.
-Every step is tensor ops or opaque custom ops, so it traces into vLLM's compiled graph
+Rows that are not re-routed this step (``sere_fx.vllm.engine``: prompt rows, opted-out
+requests, padding) keep the router's output; the experts of the real ones among them are read
+anyway, so they are free for the re-routed rows (extra primaries for SERE, members of the
+loaded set outside ``N`` for OEA / ``weight``). Ids outside ``[0, E)`` (padding written as -1)
+are never gathered unclamped. Every step is tensor ops or opaque custom ops, so it traces into vLLM's compiled graph
 without freezing a data-dependent decision.
 """
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sere_fx.ops import free_experts
 from sere_fx.plan import LayerPlan
 from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select, weight_select
 
@@ -100,13 +104,12 @@ class LayerRouting:
     """The policy of one MoE layer, applied to its router's output (see module doc)."""
 
     def __init__(self, layer: int, plan: LayerPlan, scores: RouterScores, similarity: torch.Tensor | None,
-                 num_experts: int, decode_only: bool, stats: bool):
+                 num_experts: int, stats: bool):
         self.layer = layer
         self.num_experts = num_experts
         self.plan = plan
         self.scores = scores
         self.similarity = similarity
-        self.decode_only = decode_only
         self.stats = stats
         self.rank_by_weight = scores.bias is None  # weights are monotone in the selection score
 
@@ -114,30 +117,32 @@ class LayerRouting:
         plan = self.plan
         if self.rank_by_weight:
             rank = weights
-        else:
-            rank = self.scores.selection(router_logits).gather(1, ids.long())
+        else:  # padding rows may hold id -1: gather within range (those rows are never re-routed)
+            rank = self.scores.selection(router_logits).gather(1, ids.long().clamp(0, self.num_experts - 1))
         new_weights = weights
         if plan.policy == "sere":
             # The hot path: one opaque op, which looks this step's rows up itself.
-            new_ids = torch.ops.sere.engine_reroute(ids, self.similarity, plan.S, plan.rho, rank, self.decode_only)
+            new_ids = torch.ops.sere.engine_reroute(ids, self.similarity, plan.S, plan.rho, rank)
             if not self.stats:
                 return weights, new_ids
-            rows = torch.ops.sere.engine_rows(ids, self.decode_only)
-        elif plan.policy in INDEX_POLICIES:  # the ablations
-            rows = torch.ops.sere.engine_rows(ids, self.decode_only)
-            new_ids = ablation_reroute(ids, self.similarity, plan.S, plan.rho, plan.policy,
-                                       rank_values=rank, valid_rows=rows)
+            rows, _ = torch.ops.sere.engine_rows(ids)
         else:
-            rows = torch.ops.sere.engine_rows(ids, self.decode_only)
+            rows, kept = torch.ops.sere.engine_rows(ids)
+            free = free_experts(ids, self.num_experts, kept)
+        if plan.policy in INDEX_POLICIES and plan.policy != "sere":  # the ablations
+            new_ids = ablation_reroute(ids, self.similarity, plan.S, plan.rho, plan.policy,
+                                       rank_values=rank, valid_rows=rows, free=free)
+        elif plan.policy not in INDEX_POLICIES:
             neutral = float("-inf")
             probs = self.scores.probabilities(router_logits)  # once: selection, shares and weights read it
             selection = self.scores.selection(router_logits, probs)
             if plan.policy == "weight":
                 values, chosen, _ = weight_select(selection, ids.shape[1], plan.S, neutral, rho=plan.rho, N=plan.N,
-                                                  probs=probs, valid_rows=rows)
-            else:
-                select = oea_select if plan.policy == "oea" else keep_top_s
-                values, chosen, _ = select(selection, ids.shape[1], plan.S, neutral, rows)
+                                                  probs=probs, valid_rows=rows, free=free)
+            elif plan.policy == "oea":
+                values, chosen, _ = oea_select(selection, ids.shape[1], plan.S, neutral, rows, free)
+            else:  # topk: each token's own top-S, nothing else
+                values, chosen, _ = keep_top_s(selection, ids.shape[1], plan.S, neutral, rows)
             keep = rows.unsqueeze(1)
             recomputed = self.scores.weights(router_logits, chosen, values != neutral, probs).to(weights.dtype)
             new_weights = torch.where(keep, recomputed, weights)

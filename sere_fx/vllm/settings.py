@@ -1,7 +1,10 @@
 """The plugin's settings: ``additional_config["sere"]``, checked against the served model.
 
 Everything a user can get wrong fails engine start with one message that names the key
-(``additional_config["sere"]["S"]: ...``). Per-layer settings go through the same
+(``additional_config["sere"]["S"]: ...``). ``parse`` checks every key's type and range (and
+reads the plan file) in the calling process, before any worker starts; only what the model
+tells (S against each layer's top-k, the similarity file against its layers) waits for the
+workers. Per-layer settings go through the same
 ``sere_fx.plan.build_plan`` as ``transform``, and similarity files through the same
 ``sere_fx.similarity.resolve``, so a setting means the same thing in both front-ends.
 """
@@ -14,13 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sere_fx.plan import LayerPlan, Quantile, build_plan, plan_settings
+from sere_fx.plan import LayerPlan, Quantile, build_plan, check_settings, load_plan, plan_settings
 from sere_fx.policies import INDEX_POLICIES
 from sere_fx.similarity import Similarity, resolve
 
 SETTINGS_KEY = "sere"
 WHERE = f'additional_config["{SETTINGS_KEY}"]'
-_KEYS = ("sim", "S", "rho", "N", "policy", "plan", "decode_only", "stats")
+_KEYS = ("sim", "S", "rho", "N", "policy", "plan", "decode_only", "spec_decode", "stats")
+SPEC_DECODE = ("reroute", "keep")
 
 
 class SettingsError(ValueError):
@@ -46,6 +50,7 @@ class EngineSettings:
     policy: object = "sere"
     plan: str | None = None
     decode_only: bool = True
+    spec_decode: str = "reroute"
     stats: bool = False
     raw: dict = field(default_factory=dict, compare=False)
 
@@ -78,8 +83,15 @@ def _rho(value):
     return value
 
 
+def _raise_named(exc: Exception):
+    """A ``build_plan`` / ``check_settings`` error, its argument said as the settings key."""
+    name = str(exc).split(":", 1)[0].split("[", 1)[0]
+    raise SettingsError(f"{_key(name)}{str(exc)[len(name):]}" if name in _KEYS else f"{WHERE}: {exc}") from None
+
+
 def parse(raw) -> EngineSettings:
-    """Check the keys and types of ``additional_config["sere"]`` (model-independent checks)."""
+    """Check every key of ``additional_config["sere"]`` that the model does not decide: names,
+    types, ranges, files, and the plan file's contents."""
     if not isinstance(raw, Mapping):
         raise SettingsError(f"{WHERE}: expected an object with keys {list(_KEYS)}, got {type(raw).__name__} {raw!r}")
     unknown = sorted(set(raw) - set(_KEYS))
@@ -88,6 +100,9 @@ def parse(raw) -> EngineSettings:
     for name in ("decode_only", "stats"):
         if name in raw and not isinstance(raw[name], bool):
             raise SettingsError(f"{_key(name)}: expected true or false, got {raw[name]!r}")
+    spec_decode = raw.get("spec_decode", "reroute")
+    if spec_decode not in SPEC_DECODE:
+        raise SettingsError(f"{_key('spec_decode')}: expected one of {list(SPEC_DECODE)}, got {spec_decode!r}")
     for name in ("sim", "plan"):
         value = raw.get(name)
         if value is None:
@@ -100,7 +115,7 @@ def parse(raw) -> EngineSettings:
         rho = _rho(raw.get("rho"))
     except ValueError as exc:
         raise SettingsError(f"{_key('rho')}: {exc}") from None
-    return EngineSettings(
+    settings = EngineSettings(
         sim=raw.get("sim"),
         S=_per_layer_keys("S", raw.get("S", 2)),
         rho=rho,
@@ -108,14 +123,62 @@ def parse(raw) -> EngineSettings:
         policy=_per_layer_keys("policy", raw.get("policy", "sere")),
         plan=raw.get("plan"),
         decode_only=raw.get("decode_only", True),
+        spec_decode=spec_decode,
         stats=raw.get("stats", False),
         raw=dict(raw),
     )
+    if settings.plan is not None:
+        given = [name for name in ("policy", "S", "rho", "N") if name in raw]
+        if given:
+            raise SettingsError(f"{_key(given[0])}: the plan file sets it per layer; expected it left out with "
+                                f"\"plan\", got {raw[given[0]]!r}")
+        try:
+            plans = load_plan(settings.plan)
+        except (ValueError, TypeError, OSError) as exc:
+            raise SettingsError(f"{_key('plan')}: {exc}") from None
+        for i, lp in sorted(plans.items()):
+            try:
+                check_settings(lp.policy, lp.S, lp.rho, lp.N)
+            except (ValueError, TypeError) as exc:
+                raise SettingsError(f"{_key('plan')}: layer {i} of {os.fspath(settings.plan)!r}: {exc}") from None
+        policies = {lp.policy for lp in plans.values()}
+    else:
+        try:
+            check_settings(settings.policy, settings.S, settings.rho, settings.N)
+        except (ValueError, TypeError) as exc:
+            _raise_named(exc)
+        policies = set(settings.policy.values()) if isinstance(settings.policy, Mapping) else {settings.policy}
+    if settings.sim is None and policies & set(INDEX_POLICIES):
+        raise SettingsError(f"{_key('sim')}: policy {sorted(policies & set(INDEX_POLICIES))[0]!r} needs a similarity "
+                            "file from `sere-fx calibrate`, got none")
+    return settings
 
 
-def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architecture: str | None):
+def ignored_similarity(settings: EngineSettings) -> str | None:
+    """A warning when a similarity file is given but no layer's policy reads it, else None."""
+    if settings.sim is None:
+        return None
+    if settings.plan is not None:
+        policies = {lp.policy for lp in load_plan(settings.plan).values()}
+    else:
+        policies = set(settings.policy.values()) if isinstance(settings.policy, Mapping) else {settings.policy}
+    if policies & set(INDEX_POLICIES):
+        return None
+    return (f"sere-fx: {_key('sim')} is ignored: policy {sorted(policies)} ranks experts by the router's scores "
+            f"and reads no similarity (only {list(INDEX_POLICIES)} do)")
+
+
+def _only(value, indices):
+    """A per-layer mapping cut to ``indices`` (a pipeline stage's layers); scalars unchanged."""
+    return {i: value[i] for i in indices if i in value} if isinstance(value, Mapping) else value
+
+
+def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architecture: str | None,
+                   subset: bool = False):
     """Per-layer plans and similarity matrices for the engine's MoE layers.
 
+    ``subset``: the engine holds only some of the model's layers (a pipeline-parallel stage):
+    per-layer settings and the similarity file may cover more layers, and each stage takes its own.
     Returns ``({layer: LayerPlan}, {layer: float32 [E, E]} or None)``.
     """
     policy, S, rho, N = settings.policy, settings.S, settings.rho, settings.N
@@ -124,6 +187,9 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
             policy, S, rho, N = plan_settings(settings.plan, policy, S, rho, N)
     except (ValueError, TypeError) as exc:
         raise SettingsError(f"{_key('plan')}: {exc}") from None
+    if subset:
+        indices = [layer.index for layer in layers]
+        policy, S, rho, N = (_only(v, indices) for v in (policy, S, rho, N))
     matrices = None
     if settings.sim is not None:
         try:
@@ -136,6 +202,12 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
                 f"{_key('sim')}: calibrated on a {calibrated_on} model, but the engine serves {architecture}"
             )
         try:
+            if subset:
+                missing = sorted({layer.index for layer in layers} - set(sim))
+                if missing:
+                    raise ValueError(f"expected matrices for this pipeline stage's MoE decoder layers "
+                                     f"{[layer.index for layer in layers]}, got layers {sorted(sim)}")
+                sim = Similarity({layer.index: sim[layer.index] for layer in layers}, sim.metadata)
             matrices = resolve(sim, layers)
         except (ValueError, TypeError) as exc:
             raise SettingsError(f"{_key('sim')}: {exc}") from None
@@ -146,8 +218,7 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
     try:
         plans: dict[int, LayerPlan] = build_plan(layers, policy, S, rho, matrices, N)
     except (ValueError, TypeError) as exc:
-        name = str(exc).split(":", 1)[0].split("[", 1)[0]
-        raise SettingsError(f"{_key(name)}{str(exc)[len(name):]}" if name in _KEYS else f"{WHERE}: {exc}") from None
+        _raise_named(exc)
     return plans, matrices
 
 
