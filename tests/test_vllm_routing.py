@@ -258,5 +258,6 @@ def test_statistics_count_decode_rows(engine_state):
         "distinct_after": float(len(after)),
         "slots_rerouted": float(sum(int(ids0[t, s] != ids1[t, s]) for t in rows for s in range(K))),
         "critical_kept": float(len(after - primary)),
+        "free_after": float(len(after & free)),
     }
     assert len(after) < len(before)

@@ -45,3 +45,16 @@ def write_checkpoint(family: str, out_dir: str, seed: int = 0) -> str:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(TESTBED_MODEL, name), out_dir)
     return out_dir
+
+
+def write_dense_checkpoint(out_dir: str, seed: int = 0) -> str:
+    """A tiny random dense Qwen3 with the test-bed's vocabulary and tokenizer (a draft model)."""
+    import transformers
+
+    config = transformers.Qwen3Config(**{**_SIZES, "num_hidden_layers": 2, "head_dim": 64, "tie_word_embeddings": True})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TESTBED_MODEL, name), out_dir)
+    return out_dir

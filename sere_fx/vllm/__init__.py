@@ -187,9 +187,11 @@ def _step_readers():
 
 def routing_stats(llm) -> dict[int, dict[str, float]]:
     """Per MoE layer, means per decode step: ``{layer: {"decode_steps", "decode_rows", "prefill_rows",
-    "distinct_before", "distinct_after", "slots_rerouted", "critical_kept"}}`` (``decode_steps`` is the
-    count of layer calls that had decode rows; ``prefill_rows`` counts rows of mixed batches that kept
-    the model's routing).
+    "distinct_before", "distinct_after", "slots_rerouted", "critical_kept", "free_after"}}``
+    (``decode_steps`` is the count of layer calls that had re-routed rows; ``decode_rows`` the rows
+    re-routed; ``prefill_rows`` the real rows of those calls that kept the model's routing: prompt
+    rows, opted-out requests; ``free_after`` the experts the re-routed rows read that those rows
+    read anyway).
 
     Gathered from every worker; tensor-parallel ranks route the same tokens the same way, and
     a disagreement raises. Needs ``"stats": true`` in the settings.

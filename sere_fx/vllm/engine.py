@@ -47,8 +47,9 @@ def _logger():
 # Statistic fields, summed on the device per layer: ``decode_steps`` counts calls with at least
 # one re-routed row; the rest are sums over those calls (``prefill_rows``: real rows in them that
 # kept the model's routing: prompt rows of mixed batches, opted-out requests).
+# ``free_after``: distinct experts the re-routed rows read that kept rows read anyway.
 STAT_FIELDS = ("decode_steps", "decode_rows", "prefill_rows", "distinct_before", "distinct_after", "slots_rerouted",
-               "critical_kept")
+               "critical_kept", "free_after")
 
 
 class _Engine:
@@ -175,7 +176,8 @@ def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int
     k = before.shape[1]
     seen_before, seen_after = primary_mask(before, k, e, valid_rows=rows), primary_mask(after, k, e, valid_rows=rows)
     kept = _masks(rows)[1]
-    primary = primary_mask(before, S, e, rank_values, rows) | free_experts(before, e, kept)  # free: primary too
+    free = free_experts(before, e, kept)
+    primary = primary_mask(before, S, e, rank_values, rows) | free  # free experts count as primary
     n_rows = rows.sum()
     active = n_rows > 0
     values = torch.stack([
@@ -186,6 +188,7 @@ def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int
         seen_after.sum().double(),
         ((before != after) & rows.unsqueeze(1)).sum().double(),
         (seen_after & ~primary).sum().double(),
+        (seen_after & free).sum().double(),
     ])
     ENGINE.stats[layer].add_(values.to(ENGINE.stats[layer].device))
     return after.clone()

@@ -39,6 +39,8 @@ _COUNTERS = (
     ("sere_fx_distinct_experts_after", "distinct_after", "distinct experts the re-routed rows read, summed over steps"),
     ("sere_fx_slots_rerouted", "slots_rerouted", "top-k slots whose expert changed"),
     ("sere_fx_critical_kept", "critical_kept", "non-primary experts kept, summed over steps"),
+    ("sere_fx_distinct_experts_free", "free_after",
+     "distinct experts the re-routed rows read that kept rows read anyway, summed over steps"),
 )
 
 _COLLECTOR = None
