@@ -109,6 +109,10 @@ def test_requests_can_opt_out(engine_state):
                                      ("e", SimpleNamespace(extra_args=None))])
     rows, kept = masks(T)
     assert rows.nonzero().flatten().tolist() == [1, 7] and kept[0]
+    # through the OpenAI server, "vllm_xargs": {"sere": false} arrives as 0
+    plan(engine_state, *MIXED, new=[("b", SimpleNamespace(extra_args={"sere": 0}))])
+    assert masks(T)[0].nonzero().flatten().tolist() == [7]
+    plan(engine_state, *MIXED, finished=["b"])
     plan(engine_state, *MIXED)  # the choice lasts for the request's life ...
     assert masks(T)[0].nonzero().flatten().tolist() == [1, 7]
     plan(engine_state, *MIXED, finished=["a"])  # ... and ends with it (ids may be reused)

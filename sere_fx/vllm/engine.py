@@ -98,7 +98,8 @@ class _Engine:
     def _opts_out(self, req_id: str, params) -> bool:
         extra = getattr(params, "extra_args", None) or {}
         value = extra.get(REQUEST_KEY, True)
-        if isinstance(value, bool):
+        # the OpenAI server's vllm_xargs validation turns JSON false / true into 0 / 1
+        if isinstance(value, (bool, int)) and value in (0, 1):
             return not value
         self.warn_once("request-value", "sere-fx: request %s: extra_args[%r] expected true or false, got %r; "
                        "its rows are re-routed as by default", req_id, REQUEST_KEY, value)
