@@ -19,6 +19,7 @@ import statistics
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 
@@ -59,8 +60,11 @@ def main(argv=None) -> dict:
     logits = torch.randn(T, E, generator=g)
     hidden = torch.zeros(T, 16)
     sim = torch.rand(E, E, generator=g)
-    engine.ENGINE.allocate(max(T, 1), "cpu")
-    engine.ENGINE.refresh({"x": SimpleNamespace(query_start_loc=torch.arange(T + 1))})  # T decode requests
+    engine.ENGINE.allocate(max(T, 1), max(T, 1), "cpu")
+    step = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set(), scheduled_spec_decode_tokens={})
+    engine.ENGINE.plan_step(step, [str(i) for i in range(T)], np.zeros(T, dtype=bool),  # T decode requests
+                            torch.arange(T + 1, dtype=torch.int32))
+    engine.ENGINE.refresh()
 
     results = {"config": vars(args)}
     torch.inference_mode().__enter__()  # as vLLM runs its forward passes
@@ -69,12 +73,12 @@ def main(argv=None) -> dict:
     for name, plan in [("sere", LayerPlan("sere", args.S, 0.0)), ("oea", LayerPlan("oea", args.S)),
                        ("topk", LayerPlan("topk", args.S)), ("weight", LayerPlan("weight", 1, None, 0.6))]:
         router = CPURouter(top_k=K, global_num_experts=E, renormalize=True)
-        install(router, LayerRouting(0, plan, RouterScores.of(router), sim, E, True, False))
+        install(router, LayerRouting(0, plan, RouterScores.of(router), sim, E, False))
         results[f"router+{name}"] = timed(lambda r=router: r._compute_routing(hidden, logits, None), args.repeats)
     weights, ids = plain._compute_routing(hidden, logits, None)
-    rows = torch.ops.sere.engine_rows(ids, True)
-    results["engine_rows op"] = timed(lambda: torch.ops.sere.engine_rows(ids, True), args.repeats)
-    results["engine_reroute op"] = timed(lambda: torch.ops.sere.engine_reroute(ids, sim, args.S, 0.0, weights, True),
+    rows, _ = torch.ops.sere.engine_rows(ids)
+    results["engine_rows op"] = timed(lambda: torch.ops.sere.engine_rows(ids), args.repeats)
+    results["engine_reroute op"] = timed(lambda: torch.ops.sere.engine_reroute(ids, sim, args.S, 0.0, weights),
                                          args.repeats)
     results["reroute op"] = timed(lambda: torch.ops.sere.reroute(ids, sim, args.S, 0.0, weights, rows), args.repeats)
     base = results["router"]["median_us"]

@@ -265,3 +265,12 @@ def test_statistics_count_decode_rows(engine_state):
         "free_after": float(len(after & free)),
     }
     assert len(after) < len(before)
+
+
+def test_a_request_value_that_is_not_a_bool_is_warned_about_once(engine_state, monkeypatch):
+    warned = []
+    monkeypatch.setattr(engine_state, "warn_once", lambda key, msg, *a: warned.append((key, msg % a)))
+    plan(engine_state, *MIXED, new=[("a", SimpleNamespace(extra_args={"sere": "no"}))])
+    assert masks(T)[0].nonzero().flatten().tolist() == [0, 1, 7]  # re-routed as by default
+    assert warned == [("request-value", "sere-fx: request a: extra_args['sere'] expected true or false, got 'no'; "
+                                        "its rows are re-routed as by default")]
