@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTBED = os.path.abspath(os.path.join(HERE, "..", "..", "shared", "testbed"))
+from vllm_children import TESTBED, TESTBED_MODEL, add_common_arguments, child, run_settings, testbed_similarity
+
 SETTINGS = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2}}
 
 
@@ -61,37 +59,17 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--sim", default=None, help="similarity file (default: calibrated here on the public text)")
     parser.add_argument("--code", default=None, help="another sere-fx source tree to run the engines on")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.child:
-        spec = json.load(open(args.child))
-        json.dump(one_engine(spec), open(spec["out"], "w"))
+        child(one_engine, args.child)
         return {}
-    model = os.path.join(TESTBED, "model")
-    sim = args.sim or os.path.join(HERE, "results", ".testbed.sim.safetensors")
-    if not os.path.isfile(sim):
-        subprocess.run([sys.executable, "-m", "sere_fx.cli", "calibrate", "--model", model, "--data",
-                        os.path.join(TESTBED, "eval_public.txt"), "--num-seqs", "64", "--seq-len", "64",
-                        "--out", sim], check=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "TOKENIZERS_PARALLELISM": "false"}
-    if args.code:
-        env["PYTHONPATH"] = os.path.abspath(args.code) + os.pathsep + env.get("PYTHONPATH", "")
-    results = {"config": {k: v for k, v in vars(args).items() if k != "child"}}
-    for name, sere in SETTINGS.items():
-        spec_path = os.path.join(HERE, "results", f".mixed_{name}.json")
-        out_path = spec_path.replace(".json", ".out.json")
-        json.dump({"model": model, "sere": sere, "sim": sim, "out": out_path, "prompts": args.prompts,
-                   "new_tokens": args.new_tokens}, open(spec_path, "w"))
-        print(f"{name}: starting an engine ...", flush=True)
-        subprocess.run([sys.executable, __file__, "--child", spec_path], check=True, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        results[name] = json.load(open(out_path))
-        os.remove(spec_path)
-        os.remove(out_path)
+    spec = {"model": TESTBED_MODEL, "sim": testbed_similarity(args.sim), "prompts": args.prompts,
+            "new_tokens": args.new_tokens}
+    env = {"PYTHONPATH": os.path.abspath(args.code) + os.pathsep + os.environ.get("PYTHONPATH", "")} if args.code else None
+    results = {"config": {k: v for k, v in vars(args).items() if k != "child"},
+               **run_settings(__file__, SETTINGS, spec, env)}
     reference = results["plain"].pop("tokens")
     print(f"{args.prompts} prompts of 32-224 tokens, {args.new_tokens} new tokens, 128-token steps, test-bed")
     print(f"{'setting':8s} {'agreement':>9s} {'before':>7s} {'after':>7s} {'free':>6s} {'kept rows':>9s}")

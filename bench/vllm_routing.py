@@ -76,8 +76,8 @@ def main(argv=None) -> dict:
         install(router, LayerRouting(0, plan, RouterScores.of(router), sim, E, False))
         results[f"router+{name}"] = timed(lambda r=router: r._compute_routing(hidden, logits, None), args.repeats)
     weights, ids = plain._compute_routing(hidden, logits, None)
-    rows, _ = torch.ops.sere.engine_rows(ids)
-    results["engine_rows op"] = timed(lambda: torch.ops.sere.engine_rows(ids), args.repeats)
+    rows, _ = torch.ops.sere.engine_rows(ids, E)
+    results["engine_rows op"] = timed(lambda: torch.ops.sere.engine_rows(ids, E), args.repeats)
     results["engine_reroute op"] = timed(lambda: torch.ops.sere.engine_reroute(ids, sim, args.S, 0.0, weights),
                                          args.repeats)
     results["reroute op"] = timed(lambda: torch.ops.sere.reroute(ids, sim, args.S, 0.0, weights, rows), args.repeats)

@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTBED = os.path.abspath(os.path.join(HERE, "..", "..", "shared", "testbed"))
+from vllm_children import TESTBED, TESTBED_MODEL, add_common_arguments, child, run_settings, testbed_similarity
+
 SETTINGS = {"plain": None, "reroute": {"S": 2, "rho": 0.0}, "keep": {"S": 2, "rho": 0.0, "spec_decode": "keep"}}
 
 
@@ -72,35 +70,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step")
-    parser.add_argument("--sim", default=None, help="similarity file (default: calibrated here on the public text)")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.child:
-        spec = json.load(open(args.child))
-        json.dump(one_engine(spec), open(spec["out"], "w"))
+        child(one_engine, args.child)
         return {}
-    model = os.path.join(TESTBED, "model")
-    sim = args.sim
-    if sim is None:
-        sim = os.path.join(HERE, "results", ".testbed.sim.safetensors")
-        subprocess.run([sys.executable, "-m", "sere_fx.cli", "calibrate", "--model", model, "--data",
-                        os.path.join(TESTBED, "eval_public.txt"), "--num-seqs", "64", "--seq-len", "64",
-                        "--out", sim], check=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "TOKENIZERS_PARALLELISM": "false"}
-    results = {"config": {k: v for k, v in vars(args).items() if k != "child"}}
-    for name, sere in SETTINGS.items():
-        spec_path = os.path.join(HERE, "results", f".spec_{name}.json")
-        out_path = spec_path.replace(".json", ".out.json")
-        json.dump({"model": model, "sere": sere, "sim": sim, "out": out_path, "prompts": args.prompts,
-                   "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "k": args.k}, open(spec_path, "w"))
-        print(f"{name}: starting an engine ...", flush=True)
-        subprocess.run([sys.executable, __file__, "--child", spec_path], check=True, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        results[name] = json.load(open(out_path))
-        os.remove(spec_path)
-        os.remove(out_path)
+    spec = {"model": TESTBED_MODEL, "sim": testbed_similarity(args.sim), "prompts": args.prompts,
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "k": args.k}
+    results = {"config": {k: v for k, v in vars(args).items() if k != "child"},
+               **run_settings(__file__, SETTINGS, spec)}
     plain_tokens = results["plain"]["tokens"]
     print(f"ngram k={args.k}, {args.prompts} prompts x {args.new_tokens} tokens, test-bed, 2-core CPU")
     print(f"{'setting':8s} {'accept':>7s} {'mean len':>8s} {'tok/s':>7s} {'same as plain':>13s} "

@@ -14,8 +14,9 @@ Three optional arguments serve engines whose top-k is unsorted and whose batches
 their order; ``valid_rows [T]`` (bool) limits both the primary set and the re-routing to
 those rows, and other rows come back unchanged; ``free_rows [T]`` (bool) marks rows among the
 others whose experts are read anyway (a mixed step's prompt rows): all K of their experts join
-the primary set (a row both valid and free counts as valid). Slots keep their places either way: slots ranked below S hold primary
-experts, which the table maps to themselves, so no permutation is needed.
+the primary set (a row both valid and free counts as valid). Slots keep their places either
+way: slots ranked below S hold primary experts, which the table maps to themselves, so no
+permutation is needed.
 
 Ids outside ``[0, E)`` (an engine's padding rows write -1; fused shared experts sit past E) are
 left as they are and take no part in the primary set.
@@ -148,7 +149,8 @@ def _check_args(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rank_v
         if rows is not None:
             _check(
                 rows.dim() == 1 and rows.shape[0] == topk_ids.shape[0] and rows.dtype == torch.bool,
-                lambda: f"{name}: expected a bool [{topk_ids.shape[0]}] tensor, got {rows.dtype} {tuple(rows.shape)}",
+                lambda name=name, rows=rows: f"{name}: expected a bool [{topk_ids.shape[0]}] tensor, got "
+                f"{rows.dtype} {tuple(rows.shape)}",
             )
 
 

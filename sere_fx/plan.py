@@ -90,10 +90,9 @@ def _layer_plan(p, s, r, n, where: dict, layer=None, matrix=None) -> LayerPlan:
     if p in INDEX_POLICIES:
         if r is None:
             r = DEFAULT_RHO
-        if isinstance(r, Quantile):
-            if layer is not None:
-                r = r.resolve(matrix)
-        else:
+        if isinstance(r, Quantile) and layer is not None:
+            r = r.resolve(matrix)
+        if not isinstance(r, Quantile):  # a model-independent check keeps the quantile as given
             r = check_finite_float(f"rho{w}", r)
     elif p == "weight":
         if isinstance(r, Quantile):

@@ -84,8 +84,19 @@ DECODE_ROWS[[0, 1, 7]] = True
 
 
 def masks(n):
-    rows, kept = torch.ops.sere.engine_rows(torch.zeros(n, 2))
-    return rows, kept
+    """This step's (re-routed rows, kept rows) for a call of ``n`` tokens."""
+    ids = torch.zeros(n, 2)
+    return engine._mask(engine.ENGINE.rows, ids).clone(), engine._mask(engine.ENGINE.kept, ids).clone()
+
+
+def test_engine_rows_op_gives_rows_and_the_kept_rows_experts(engine_state):
+    ids = torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(4))
+    rows, free = torch.ops.sere.engine_rows(ids, E)
+    assert torch.equal(rows, DECODE_ROWS)
+    assert free.tolist() == [e in {int(x) for t in range(T) if not DECODE_ROWS[t] for x in ids[t]} for e in range(E)]
+    plan(engine_state, ["a"], [False], [T])  # one request, all rows decode rows: nothing free
+    rows, free = torch.ops.sere.engine_rows(ids, E)
+    assert rows.all() and not free.any()
 
 
 def test_row_masks_follow_request_state(engine_state):

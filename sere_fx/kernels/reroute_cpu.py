@@ -71,10 +71,11 @@ def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float
     e = sim.shape[0]
     ids = _array(topk_ids)
     t, k = ids.shape
-    # Ids outside [0, E) (padding, fused shared experts) are rare: two reductions tell, and only
-    # then are they sent to the scratch slot E and restored at the end.
+    # Ids outside [0, E) (padding, fused shared experts) are rare: one reduction over the ids read
+    # as unsigned (-1 becomes the largest value) tells, and only then are they sent to the
+    # scratch slot E and restored at the end.
     outside = None
-    if t and (ids.min() < 0 or ids.max() >= e):
+    if t and ids.view(np.uint32 if ids.dtype == np.int32 else np.uint64).max() >= e:
         outside = (ids < 0) | (ids >= e)
         original, ids = ids, np.where(outside, e, ids)
     if rank_values is None:
@@ -101,10 +102,12 @@ def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float
     first = row_base + hits.argmax(axis=1)
     table = cand.take(first)
     found = hits.take(first)
+    keep = primary
     if not found.all():  # no primary among the prefix (or no valid row at all): full rows
+        if not primary.any():  # no primary at all: nothing to re-route to
+            keep = np.ones(e, dtype=bool)
         rows = np.flatnonzero(~found)
         table[rows] = np.where(primary[None, :], sim[rows], -np.inf).argmax(axis=1)
-    keep = primary if primary.any() else np.ones(e, dtype=bool)  # no primary: nothing to re-route to
     if rho > 0:
         keep = keep | (sim[experts, table] < np.float32(rho))
     np.copyto(table, experts, where=keep)

@@ -19,6 +19,8 @@ SUPPORTED_VLLM = ">=0.32,<0.33"
 
 
 def _logger():
+    # under "vllm." so that vLLM's log settings apply; plain logging, so that it works even
+    # where vLLM itself cannot be imported
     import logging
 
     return logging.getLogger("vllm.sere_fx")
@@ -142,7 +144,7 @@ def _install_hooks() -> None:
         if engine.ENGINE.layers:
             engine.ENGINE.refresh()
 
-    for runner_cls, method, read in _step_readers():
+    for runner_cls, method, read in engine.step_readers():
         setattr(runner_cls, method, _planning(getattr(runner_cls, method), read))
     Worker.load_model = load_model_with_sere
     EngineArgs.create_engine_config = create_engine_config_checked
@@ -165,24 +167,6 @@ def _planning(prepare, read):
         return out
 
     return prepare_and_plan
-
-
-def _step_readers():
-    """``(runner class, input-preparation method, reader)`` for vLLM's two model runners; a reader
-    returns the step's request ids in row order, which are prefilling, and ``query_start_loc``."""
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
-
-    def read_v1(runner, _out):
-        batch = runner.input_batch
-        n = batch.num_reqs
-        prefilling = batch.num_computed_tokens_cpu[:n] < batch.num_prompt_tokens[:n]
-        return batch.req_ids[:n], prefilling, runner.query_start_loc.gpu[: n + 1]
-
-    def read_v2(_runner, batch):
-        return batch.req_ids, batch.is_prefilling_np, batch.query_start_loc
-
-    return [(V1Runner, "_prepare_inputs", read_v1), (V2Runner, "prepare_inputs", read_v2)]
 
 
 def routing_stats(llm) -> dict[int, dict[str, float]]:

@@ -15,7 +15,8 @@
   real rows, whose experts are read anyway and so are free for the re-routed ones). A forward
   with no planned step (profiling, CUDA-graph capture, a draft model's pass) has neither.
 - ``torch.ops.sere.engine_reroute`` (SERE's whole step: the op's rule on this step's rows) and
-  ``torch.ops.sere.engine_rows`` (copies of both masks, for the other policies) read them.
+  ``torch.ops.sere.engine_rows`` (the re-routed rows and the experts the kept rows read, for
+  the other policies) read them.
   Both are opaque ops, so Dynamo does not freeze the masks of the step it traced; the buffers
   are persistent and updated by device ops only, so a CUDA-graph replay sees the current step.
 - ``torch.ops.sere.record_routing`` (only when ``stats`` is set) adds per-layer counters on
@@ -30,18 +31,13 @@ import torch
 
 from sere_fx.ops import free_experts, primary_mask, reroute_kernel
 from sere_fx.policies import TOPK_POLICIES
+from sere_fx.vllm import _logger
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install
 from sere_fx.vllm.settings import WHERE, EngineLayer, SettingsError, parse, resolve_layers, to_device
 
 # The per-request switch: SamplingParams(extra_args={"sere": False}) keeps a request's rows on
 # the model's routing (``"vllm_xargs": {"sere": false}`` through the OpenAI server).
 REQUEST_KEY = "sere"
-
-
-def _logger():
-    from vllm.logger import init_logger  # under "vllm." so that vLLM's log settings apply
-
-    return init_logger("vllm.sere_fx")
 
 
 # Statistic fields, summed on the device per layer: ``decode_steps`` counts calls with at least
@@ -66,6 +62,7 @@ class _Engine:
         self.spec_decode = "reroute"
         self.opted_out: set[str] = set()
         self.pending = None  # (flags: np.bool_ [n], query_start_loc [n + 1]) of the next forward
+        self.any_kept = False  # host copy of kept.any(), for the CPU ops' pure-decode fast path
         self._warned: set[str] = set()
 
     def allocate(self, max_tokens: int, max_requests: int, device) -> None:
@@ -113,9 +110,11 @@ class _Engine:
         if pending is None:  # profiling, CUDA-graph capture, a draft model's forward
             self.rows.zero_()
             self.kept.zero_()
+            self.any_kept = False
             return
         flags, qsl = pending
         n = flags.shape[0]
+        self.any_kept = not flags.all()  # every scheduled request has rows: one left out keeps rows
         host = torch.from_numpy(flags)
         if self.request_flags.is_cuda:
             host = host.pin_memory()
@@ -144,40 +143,53 @@ ENGINE = _Engine()
 # every MoE layer of every step.
 
 _LIB = torch.library.Library("sere", "FRAGMENT")
-_LIB.define("engine_rows(Tensor topk_ids) -> (Tensor, Tensor)")
+_LIB.define("engine_rows(Tensor topk_ids, int num_experts) -> (Tensor, Tensor)")
 _LIB.define("engine_reroute(Tensor topk_ids, Tensor similarity, int S, float rho, Tensor rank_values) -> Tensor")
 _LIB.define("record_routing(Tensor before, Tensor after, Tensor rank_values, Tensor rows, int layer, int S, int num_experts) -> Tensor")
 
 
-def _masks(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _mask(buffer: torch.Tensor | None, topk_ids: torch.Tensor) -> torch.Tensor:
+    """This step's ``buffer`` (``ENGINE.rows`` or ``ENGINE.kept``) for a call of ``topk_ids``' rows."""
     n = topk_ids.shape[0]
-    if ENGINE.rows is None or n > ENGINE.rows.shape[0]:
+    if buffer is None or n > buffer.shape[0]:
         # Outside an engine step (or a batch larger than the scheduler's token budget): no row is
         # re-routed, so the model routes as it would without the plugin.
-        none = torch.zeros(n, dtype=torch.bool, device=topk_ids.device)
-        return none, none
-    return ENGINE.rows[:n], ENGINE.kept[:n]
+        return torch.zeros(n, dtype=torch.bool, device=topk_ids.device)
+    return buffer[:n]
 
 
-def _engine_rows(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, kept = _masks(topk_ids)
-    return rows.clone(), kept.clone()
+def _no_kept_rows(topk_ids: torch.Tensor) -> bool:
+    """A pure decode step, told by the host copy. Only on the CPU: a CUDA graph would freeze the
+    branch taken at capture, so on CUDA the kept rows always go to the device."""
+    return topk_ids.device.type == "cpu" and not ENGINE.any_kept
+
+
+def _free(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Bool ``[E]``: the experts the kept rows read anyway."""
+    if _no_kept_rows(topk_ids):
+        return torch.zeros(num_experts, dtype=torch.bool)
+    return free_experts(topk_ids, num_experts, _mask(ENGINE.kept, topk_ids))
+
+
+def _engine_rows(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # the re-routed rows, and the experts the kept rows read anyway (for the top-k policies)
+    return _mask(ENGINE.rows, topk_ids).clone(), _free(topk_ids, num_experts)
 
 
 def _engine_reroute(topk_ids, similarity, S: int, rho: float, rank_values) -> torch.Tensor:
     # sere.reroute's rule on this step's rows, in one opaque call: the NumPy kernel on the CPU,
     # the Triton kernel on CUDA (sere.reroute itself is inlined by compilers, see sere_fx.ops).
     # Kept rows' experts are read anyway: they join the primary set.
-    rows, kept = _masks(topk_ids)
-    return reroute_kernel(topk_ids, similarity, S, rho, rank_values, rows, kept)
+    kept = None if _no_kept_rows(topk_ids) else _mask(ENGINE.kept, topk_ids)
+    return reroute_kernel(topk_ids, similarity, S, rho, rank_values, _mask(ENGINE.rows, topk_ids), kept)
 
 
 def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int) -> torch.Tensor:
     # Experts used by the rows = primary_mask over all K slots.
     k = before.shape[1]
     seen_before, seen_after = primary_mask(before, k, e, valid_rows=rows), primary_mask(after, k, e, valid_rows=rows)
-    kept = _masks(rows)[1]
-    free = free_experts(before, e, kept)
+    kept = _mask(ENGINE.kept, before)
+    free = _free(before, e)
     primary = primary_mask(before, S, e, rank_values, rows) | free  # free experts count as primary
     n_rows = rows.sum()
     active = n_rows > 0
@@ -201,9 +213,9 @@ _LIB.impl("record_routing", _record_routing, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("sere::engine_rows", lib=_LIB)
-def _(topk_ids):
+def _(topk_ids, num_experts):
     return (topk_ids.new_empty(topk_ids.shape[0], dtype=torch.bool),
-            topk_ids.new_empty(topk_ids.shape[0], dtype=torch.bool))
+            topk_ids.new_empty(num_experts, dtype=torch.bool))
 
 
 @torch.library.register_fake("sere::engine_reroute", lib=_LIB)
@@ -273,22 +285,37 @@ def check_engine_config(vllm_config) -> None:
         )
 
 
-def _runner_kinds() -> tuple[type, ...]:
-    """The model runners whose per-step inputs the plugin reads (``sere_fx.vllm.register`` hooks them)."""
-    kinds = []
+def step_readers():
+    """``(runner class, input-preparation method, reader)`` for each of vLLM's model runners that
+    this vLLM has (``sere_fx.vllm.register`` wraps those methods). A reader returns the step's
+    request ids in row order, which of them are prefilling, and the device ``query_start_loc``."""
+
+    def read_v1(runner, _out):
+        batch = runner.input_batch
+        n = batch.num_reqs
+        prefilling = batch.num_computed_tokens_cpu[:n] < batch.num_prompt_tokens[:n]
+        return batch.req_ids[:n], prefilling, runner.query_start_loc.gpu[: n + 1]
+
+    def read_v2(_runner, batch):
+        return batch.req_ids, batch.is_prefilling_np, batch.query_start_loc
+
+    readers = []
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
-        kinds.append(V1Runner)
+        readers.append((V1Runner, "_prepare_inputs", read_v1))
     except ImportError:  # pragma: no cover - depends on the vLLM build
         pass
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
 
-        kinds.append(V2Runner)
+        readers.append((V2Runner, "prepare_inputs", read_v2))
     except ImportError:  # pragma: no cover
         pass
-    return tuple(kinds)
+    if not readers:
+        raise ImportError("neither of vLLM's model runners (vllm.v1.worker.gpu_model_runner, "
+                          "vllm.v1.worker.gpu.model_runner) could be imported")
+    return readers
 
 
 def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
@@ -296,10 +323,11 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
     (the served model of ``runner``, whose steps will say which rows are decode rows)."""
     settings = parse(raw)
     check_engine_config(vllm_config)
-    if runner is not None and not isinstance(runner, _runner_kinds()):
+    kinds = tuple(cls for cls, _, _ in step_readers())
+    if runner is not None and not isinstance(runner, kinds):
         raise SettingsError(
             f"{WHERE}: the model runner {type(runner).__name__} is not one whose request state sere-fx reads "
-            f"(expected a subclass of {[k.__name__ for k in _runner_kinds()]}), so decode rows cannot be known"
+            f"(expected a subclass of {[k.__name__ for k in kinds]}), so decode rows cannot be known"
         )
     runners = _moe_runners(model)
     architecture = (getattr(vllm_config.model_config.hf_config, "architectures", None) or [None])[0]

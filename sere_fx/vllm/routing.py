@@ -19,8 +19,8 @@ Rows that are not re-routed this step (``sere_fx.vllm.engine``: prompt rows, opt
 requests, padding) keep the router's output; the experts of the real ones among them are read
 anyway, so they are free for the re-routed rows (extra primaries for SERE, members of the
 loaded set outside ``N`` for OEA / ``weight``). Ids outside ``[0, E)`` (padding written as -1)
-are never gathered unclamped. Every step is tensor ops or opaque custom ops, so it traces into vLLM's compiled graph
-without freezing a data-dependent decision.
+are never gathered unclamped. Every step is tensor ops or opaque custom ops, so it traces
+into vLLM's compiled graph without freezing a data-dependent decision.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sere_fx.ops import free_experts
 from sere_fx.plan import LayerPlan
 from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select, weight_select
 
@@ -125,31 +124,36 @@ class LayerRouting:
             new_ids = torch.ops.sere.engine_reroute(ids, self.similarity, plan.S, plan.rho, rank)
             if not self.stats:
                 return weights, new_ids
-            rows, _ = torch.ops.sere.engine_rows(ids)
+            rows, _ = torch.ops.sere.engine_rows(ids, self.num_experts)
         else:
-            rows, kept = torch.ops.sere.engine_rows(ids)
-            free = free_experts(ids, self.num_experts, kept)
-        if plan.policy in INDEX_POLICIES and plan.policy != "sere":  # the ablations
-            new_ids = ablation_reroute(ids, self.similarity, plan.S, plan.rho, plan.policy,
-                                       rank_values=rank, valid_rows=rows, free=free)
-        elif plan.policy not in INDEX_POLICIES:
-            neutral = float("-inf")
-            probs = self.scores.probabilities(router_logits)  # once: selection, shares and weights read it
-            selection = self.scores.selection(router_logits, probs)
-            if plan.policy == "weight":
-                values, chosen, _ = weight_select(selection, ids.shape[1], plan.S, neutral, rho=plan.rho, N=plan.N,
-                                                  probs=probs, valid_rows=rows, free=free)
-            elif plan.policy == "oea":
-                values, chosen, _ = oea_select(selection, ids.shape[1], plan.S, neutral, rows, free)
-            else:  # topk: each token's own top-S, nothing else
-                values, chosen, _ = keep_top_s(selection, ids.shape[1], plan.S, neutral, rows)
-            keep = rows.unsqueeze(1)
-            recomputed = self.scores.weights(router_logits, chosen, values != neutral, probs).to(weights.dtype)
-            new_weights = torch.where(keep, recomputed, weights)
-            new_ids = torch.where(keep, chosen.to(ids.dtype), ids)
+            # free: experts the kept rows read anyway (``topk`` keeps each token's own top-S, uses none)
+            rows, free = torch.ops.sere.engine_rows(ids, self.num_experts)
+            if plan.policy in INDEX_POLICIES:  # the ablations
+                new_ids = ablation_reroute(ids, self.similarity, plan.S, plan.rho, plan.policy,
+                                           rank_values=rank, valid_rows=rows, free=free)
+            else:
+                new_weights, new_ids = self._topk_policy(router_logits, weights, ids, rows, free)
         if self.stats:
             new_ids = torch.ops.sere.record_routing(ids, new_ids, rank, rows, self.layer, plan.S, self.num_experts)
         return new_weights, new_ids
+
+    def _topk_policy(self, router_logits, weights, ids, rows, free):
+        """``oea`` / ``weight`` / ``topk`` over the router's selection scores, with the router's own
+        weights recomputed for the chosen experts (re-routed rows only)."""
+        plan = self.plan
+        neutral = float("-inf")
+        probs = self.scores.probabilities(router_logits)  # once: selection, shares and weights read it
+        selection = self.scores.selection(router_logits, probs)
+        if plan.policy == "weight":
+            values, chosen, _ = weight_select(selection, ids.shape[1], plan.S, neutral, rho=plan.rho, N=plan.N,
+                                              probs=probs, valid_rows=rows, free=free)
+        elif plan.policy == "oea":
+            values, chosen, _ = oea_select(selection, ids.shape[1], plan.S, neutral, rows, free)
+        else:  # topk: each token's own top-S, nothing else
+            values, chosen, _ = keep_top_s(selection, ids.shape[1], plan.S, neutral, rows)
+        keep = rows.unsqueeze(1)
+        recomputed = self.scores.weights(router_logits, chosen, values != neutral, probs).to(weights.dtype)
+        return torch.where(keep, recomputed, weights), torch.where(keep, chosen.to(ids.dtype), ids)
 
 
 _SUBCLASSES: dict[type, type] = {}

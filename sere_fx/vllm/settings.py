@@ -53,6 +53,14 @@ class EngineSettings:
     spec_decode: str = "reroute"
     stats: bool = False
     raw: dict = field(default_factory=dict, compare=False)
+    plan_layers: dict | None = field(default=None, compare=False)  # the plan file as read by ``parse``
+
+    @property
+    def policies(self) -> set[str]:
+        """Every policy some layer is given (by the plan file or by ``policy``)."""
+        if self.plan_layers is not None:
+            return {lp.policy for lp in self.plan_layers.values()}
+        return set(self.policy.values()) if isinstance(self.policy, Mapping) else {self.policy}
 
 
 def _key(name: str) -> str:
@@ -115,6 +123,21 @@ def parse(raw) -> EngineSettings:
         rho = _rho(raw.get("rho"))
     except ValueError as exc:
         raise SettingsError(f"{_key('rho')}: {exc}") from None
+    plan_layers = None
+    if raw.get("plan") is not None:
+        given = [name for name in ("policy", "S", "rho", "N") if name in raw]
+        if given:
+            raise SettingsError(f"{_key(given[0])}: the plan file sets it per layer; expected it left out with "
+                                f"\"plan\", got {raw[given[0]]!r}")
+        try:
+            plan_layers = load_plan(raw["plan"])
+        except (ValueError, TypeError, OSError) as exc:
+            raise SettingsError(f"{_key('plan')}: {exc}") from None
+        for i, lp in sorted(plan_layers.items()):
+            try:
+                check_settings(lp.policy, lp.S, lp.rho, lp.N)
+            except (ValueError, TypeError) as exc:
+                raise SettingsError(f"{_key('plan')}: layer {i} of {os.fspath(raw['plan'])!r}: {exc}") from None
     settings = EngineSettings(
         sim=raw.get("sim"),
         S=_per_layer_keys("S", raw.get("S", 2)),
@@ -126,46 +149,26 @@ def parse(raw) -> EngineSettings:
         spec_decode=spec_decode,
         stats=raw.get("stats", False),
         raw=dict(raw),
+        plan_layers=plan_layers,
     )
-    if settings.plan is not None:
-        given = [name for name in ("policy", "S", "rho", "N") if name in raw]
-        if given:
-            raise SettingsError(f"{_key(given[0])}: the plan file sets it per layer; expected it left out with "
-                                f"\"plan\", got {raw[given[0]]!r}")
-        try:
-            plans = load_plan(settings.plan)
-        except (ValueError, TypeError, OSError) as exc:
-            raise SettingsError(f"{_key('plan')}: {exc}") from None
-        for i, lp in sorted(plans.items()):
-            try:
-                check_settings(lp.policy, lp.S, lp.rho, lp.N)
-            except (ValueError, TypeError) as exc:
-                raise SettingsError(f"{_key('plan')}: layer {i} of {os.fspath(settings.plan)!r}: {exc}") from None
-        policies = {lp.policy for lp in plans.values()}
-    else:
+    if plan_layers is None:
         try:
             check_settings(settings.policy, settings.S, settings.rho, settings.N)
         except (ValueError, TypeError) as exc:
             _raise_named(exc)
-        policies = set(settings.policy.values()) if isinstance(settings.policy, Mapping) else {settings.policy}
-    if settings.sim is None and policies & set(INDEX_POLICIES):
-        raise SettingsError(f"{_key('sim')}: policy {sorted(policies & set(INDEX_POLICIES))[0]!r} needs a similarity "
-                            "file from `sere-fx calibrate`, got none")
+    needing = sorted(settings.policies & set(INDEX_POLICIES))
+    if settings.sim is None and needing:
+        raise SettingsError(f"{_key('sim')}: policy {needing[0]!r} needs a similarity file from `sere-fx calibrate`, "
+                            "got none")
     return settings
 
 
 def ignored_similarity(settings: EngineSettings) -> str | None:
     """A warning when a similarity file is given but no layer's policy reads it, else None."""
-    if settings.sim is None:
+    if settings.sim is None or settings.policies & set(INDEX_POLICIES):
         return None
-    if settings.plan is not None:
-        policies = {lp.policy for lp in load_plan(settings.plan).values()}
-    else:
-        policies = set(settings.policy.values()) if isinstance(settings.policy, Mapping) else {settings.policy}
-    if policies & set(INDEX_POLICIES):
-        return None
-    return (f"sere-fx: {_key('sim')} is ignored: policy {sorted(policies)} ranks experts by the router's scores "
-            f"and reads no similarity (only {list(INDEX_POLICIES)} do)")
+    return (f"sere-fx: {_key('sim')} is ignored: policy {sorted(settings.policies)} ranks experts by the router's "
+            f"scores and reads no similarity (only {list(INDEX_POLICIES)} do)")
 
 
 def _only(value, indices):
@@ -182,11 +185,8 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
     Returns ``({layer: LayerPlan}, {layer: float32 [E, E]} or None)``.
     """
     policy, S, rho, N = settings.policy, settings.S, settings.rho, settings.N
-    try:
-        if settings.plan is not None:
-            policy, S, rho, N = plan_settings(settings.plan, policy, S, rho, N)
-    except (ValueError, TypeError) as exc:
-        raise SettingsError(f"{_key('plan')}: {exc}") from None
+    if settings.plan_layers is not None:  # parse refused plan together with these keys
+        policy, S, rho, N = plan_settings(settings.plan_layers)
     if subset:
         indices = [layer.index for layer in layers]
         policy, S, rho, N = (_only(v, indices) for v in (policy, S, rho, N))
@@ -203,18 +203,13 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
             )
         try:
             if subset:
-                missing = sorted({layer.index for layer in layers} - set(sim))
-                if missing:
+                if not {layer.index for layer in layers} <= set(sim):
                     raise ValueError(f"expected matrices for this pipeline stage's MoE decoder layers "
                                      f"{[layer.index for layer in layers]}, got layers {sorted(sim)}")
                 sim = Similarity({layer.index: sim[layer.index] for layer in layers}, sim.metadata)
             matrices = resolve(sim, layers)
         except (ValueError, TypeError) as exc:
             raise SettingsError(f"{_key('sim')}: {exc}") from None
-    uses_sim = any((policy.get(layer.index) if isinstance(policy, Mapping) else policy) in INDEX_POLICIES
-                   for layer in layers)
-    if uses_sim and matrices is None:
-        raise SettingsError(f"{_key('sim')}: policy {policy!r} needs a similarity file from `sere-fx calibrate`, got none")
     try:
         plans: dict[int, LayerPlan] = build_plan(layers, policy, S, rho, matrices, N)
     except (ValueError, TypeError) as exc:
