@@ -214,8 +214,8 @@ def test_ngram_verification_rows_are_decode_rows(workdir, testbed_sim, ngram_pla
     out = run_engine(workdir, "ngram_rho_high", prompts=REPETITIVE, **NGRAM_ENGINE, sere={"sim": testbed_sim, "S": 2, "rho": 1.5, "stats": True})
     assert out["tokens"] == ngram_plain["tokens"]
     for layer in out["stats"].values():
-        # more than one row per request and step: the 1 + k verification rows are re-routed rows
-        assert layer["decode_rows"] > 1.5 * len(REPETITIVE) / 2, layer
+        # more rows than requests per step: the 1 + k verification rows are re-routed rows
+        assert layer["decode_rows"] > len(REPETITIVE), layer
         assert layer["prefill_rows"] == 0 and layer["slots_rerouted"] == 0, layer
 
 
