@@ -1,5 +1,6 @@
-"""What the one-engine-per-setting vLLM benchmarks share: a test-bed similarity file, and each
-setting's engine run in its own child process (so engines' memory and plugin state stay apart).
+"""What the vLLM benchmarks share: the models (the test-bed, or a Qwen3-30B-A3B-shaped model
+written locally), their similarity files, and each setting's engine run in its own child
+process (so engines' memory and plugin state stay apart).
 
 A benchmark script ``S`` calls ``run_settings(S, settings, spec)``; for each setting it writes
 ``{**spec, "sere": ..., "out": ...}`` to a file and runs ``python S --child FILE``, whose
@@ -29,6 +30,69 @@ def testbed_similarity(path: str | None = None) -> str:
                         os.path.join(TESTBED, "eval_public.txt"), "--num-seqs", "64", "--seq-len", "64",
                         "--out", path], check=True)
     return path
+
+
+def build_qwen3_30b_shape(out_dir: str, layers: int) -> str:
+    """A Qwen3-MoE with Qwen3-30B-A3B's MoE and attention sizes (128 experts, top-8, hidden 2048,
+    expert 768, 32 x 128 query heads, 4 KV heads), ``layers`` decoder layers and the test-bed's
+    4k vocabulary and tokenizer; random bf16 weights, written once to ``out_dir``."""
+    import shutil
+
+    import torch
+    import transformers
+
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir
+    print(f"writing a {layers}-layer Qwen3-30B-A3B-shaped model to {out_dir} ...", flush=True)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=4096, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=True,
+        eos_token_id=0, pad_token_id=0, bos_token_id=0,
+    )
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TESTBED_MODEL, name), out_dir)
+    return out_dir
+
+
+def random_similarity(model_dir: str, out: str) -> str:
+    """A random symmetric similarity per layer (at rho = 0 the distinct-expert count does not
+    depend on it; quality is not measured on random weights)."""
+    if os.path.isfile(out):
+        return out
+    import torch
+
+    from sere_fx import Similarity
+
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    g = torch.Generator().manual_seed(0)
+    e = cfg.get("num_experts") or cfg["num_local_experts"]
+    mats = {}
+    for i in range(cfg["num_hidden_layers"]):
+        m = torch.rand(e, e, generator=g)
+        mats[i] = ((m + m.T) / 2).fill_diagonal_(1.0)
+    Similarity(mats, {"architecture": cfg["architectures"][0], "method": "random"}).save(out)
+    return out
+
+
+MODELS = ("testbed", "qwen3-30b-a3b-shape")
+
+
+def model_and_similarity(name: str, cache: str, layers: int = 2, sim: str | None = None) -> tuple[str, str]:
+    """``(model dir, similarity file)`` for a benchmark model name (``MODELS``)."""
+    if name == "testbed":
+        return TESTBED_MODEL, testbed_similarity(sim)
+    os.makedirs(cache, exist_ok=True)
+    model = build_qwen3_30b_shape(os.path.join(cache, f"qwen3_30b_a3b_shape_{layers}l"), layers)
+    return model, sim or random_similarity(model, model + ".sim.safetensors")
 
 
 def run_settings(script: str, settings: dict, spec: dict, env: dict | None = None) -> dict:

@@ -187,12 +187,12 @@ def reroute_kernel(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho
                    rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
                    free_rows: torch.Tensor | None = None, wrap=lambda kernel: kernel) -> torch.Tensor:
     """Run the op's rule with the fastest implementation for the tensors: the Triton kernel on CUDA
-    (``wrap`` is ``wrap_triton`` inside the registered op), the NumPy kernel on the CPU, else ATen."""
+    (``wrap`` is ``wrap_triton`` inside the registered op), the C kernel on the CPU, else ATen."""
     if S >= topk_ids.shape[1] or topk_ids.shape[0] == 0:
         return topk_ids.clone()
     if reroute_triton.AVAILABLE and (topk_ids.is_cuda or _FORCE_TRITON):
         return reroute_triton.launch(wrap, topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows)
-    if _eager_cpu(topk_ids):
+    if _eager_cpu(topk_ids) and reroute_cpu.fits(similarity.shape[0], topk_ids.shape[1]):
         return reroute_cpu.reroute(topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows)
     return reroute_aten(topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows)
 

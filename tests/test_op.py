@@ -35,7 +35,7 @@ def cases(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(cases())
-def test_op_matches_loop_reference(case):  # the NumPy CPU kernel, eagerly
+def test_op_matches_loop_reference(case):  # the C CPU kernel, eagerly
     ids, sim, S, rho = case
     before = ids.clone()
     out = reroute(ids, sim, S, rho)
@@ -51,13 +51,22 @@ def test_aten_matches_loop_reference(case):  # what compilers and exporters inli
     assert torch.equal(ops.reroute_aten(ids, sim, S, rho), reroute_loop(ids, sim, S, rho))
 
 
-def test_cpu_kernel_falls_back_beyond_its_candidate_prefix():
-    # 40 experts, one primary (expert 39): for most experts it lies beyond the 16-candidate prefix
+def test_cpu_kernel_is_built_and_takes_int32_ids():
+    # CI machines have a C compiler (Inductor needs one on the CPU too): the fast path must be there
+    from sere_fx.kernels import reroute_cpu
+
+    assert reroute_cpu.available()
     g = torch.Generator().manual_seed(1)
     sim = torch.rand(40, 40, generator=g)
-    ids = torch.tensor([[39, 1, 2, 3], [39, 5, 6, 7]])
+    ids = torch.tensor([[39, 1, 2, 3], [39, 5, 6, 7]])  # one primary expert at S=1: far down most rows' order
+    values = torch.rand(ids.shape, generator=g)
     for rho in (0.0, 0.5):
-        assert torch.equal(reroute(ids, sim, 1, rho), reroute_loop(ids, sim, 1, rho))
+        expected = reroute_loop(ids, sim, 1, rho)
+        assert torch.equal(reroute_cpu.reroute(ids, sim, 1, rho), expected)
+        assert torch.equal(reroute_cpu.reroute(ids.int(), sim, 1, rho), expected.int())
+        ranked = engine_reroute_loop(ids, values, torch.ones(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool),
+                                     sim, 2, rho)
+        assert torch.equal(reroute_cpu.reroute(ids.int(), sim.double(), 2, rho, values), ranked.int())
 
 
 def test_cpu_kernel_sees_in_place_updates_of_the_similarity():
@@ -260,7 +269,7 @@ def free_row_cases(draw):
 def test_free_rows_and_ids_outside_the_experts_match_loop_reference(case):
     ids, values, valid, free, sim, S, rho = case
     expected = engine_reroute_loop(ids, values, valid, free, sim, S, rho)
-    assert torch.equal(reroute(ids, sim, S, rho, values, valid, free), expected)  # NumPy kernel
+    assert torch.equal(reroute(ids, sim, S, rho, values, valid, free), expected)  # C kernel
     assert torch.equal(ops.reroute_aten(ids, sim, S, rho, values, valid, free), expected)
     if not free.any():  # without free rows: the documented rule of valid rows alone
         assert torch.equal(reroute(ids, sim, S, rho, values, valid), expected)

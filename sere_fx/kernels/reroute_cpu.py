@@ -1,122 +1,148 @@
-"""CPU kernel for ``sere.reroute``: NumPy on the tensors' own memory (no copy, nothing to build).
+"""CPU kernel for ``sere.reroute``: ``reroute.c``, built once with the system's C compiler and
+called through ``ctypes`` on the tensors' own memory.
 
-At decode sizes (T = 32 tokens, K = 8, E = 128) the work is tiny and the cost is per-op
-overhead: the vectorised PyTorch version spends ~190 us in a dozen dispatches and two
-E x E passes (masked fill, argmax). This kernel avoids the E x E passes:
+At decode sizes (T = 32 tokens, K = 8, E = 128) the work is a few thousand operations and
+the cost is overhead: the vectorised PyTorch version spends ~190 us in a dozen dispatches and
+two E x E passes, a NumPy version of ~20 calls ~20 us warm and ~75 us between two layers' matrix
+products inside an engine (cold caches). The C kernel is one call of ~1 us; what remains is
+``ctypes``' argument conversion (~2 us).
 
-- once per similarity matrix (cached): each expert's candidates sorted by similarity,
-  descending, ties to the lower index, and the first ``PREFIX`` of them with their values;
-- per call: the primary mask, then for each expert the first primary among its ``PREFIX``
-  best candidates (an ``E x PREFIX`` lookup); the rare expert with no primary there falls back
-  to a full row. That first primary is exactly ``argmax`` over primaries with the lowest
-  index among ties, as the op's definition says.
+It needs each expert's candidates sorted by similarity, descending, ties to the lower index
+(the first primary one is then ``argmax`` over primaries with the lowest index among ties, as
+the op's definition says): made once per similarity matrix and cached.
 
-NumPy calls cost ~1-2 us here against ~3-5 us for the same PyTorch call, so the whole
-step stays around 20 us. Comparisons with rho are made in float32, like every back-end.
+Building: ``cc -O2 -shared -fPIC`` (the compiler Inductor uses on the CPU too; ``$CC`` if set)
+into ``$SERE_FX_CACHE`` (default ``~/.cache/sere-fx``), keyed by the source's hash, written
+atomically so that concurrent processes (vLLM workers, test runners) can race safely. Where no
+compiler works, ``available()`` is False and ``sere_fx.ops`` uses the PyTorch implementation
+(one warning says so).
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+
 import numpy as np
 import torch
 
-PREFIX = 16  # candidates looked at before falling back to a full row
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reroute.c")
+_LIB: ctypes.CDLL | None | bool = None  # None: not tried yet; False: could not build
 _CACHE: dict[tuple, tuple] = {}
 _CACHE_SIZE = 256
+_FNS: dict[torch.dtype, object] = {}  # ids dtype -> kernel
+_MAX = [0, 0]  # experts and slots the kernel takes at most (0 until built)
 
 
-def _candidates(similarity: torch.Tensor):
-    # The entry holds the tensor, so its memory (and hence the key's data_ptr) cannot be reused
-    # while the entry exists; _version changes with any in-place update.
-    key = (similarity.data_ptr(), tuple(similarity.shape), similarity.stride(), similarity.dtype,
-           similarity._version)
+def _build() -> str:
+    source = open(SOURCE, "rb").read()
+    digest = hashlib.sha256(source).hexdigest()[:16]
+    cache = os.environ.get("SERE_FX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sere-fx")
+    path = os.path.join(cache, f"reroute-{digest}.so")
+    if os.path.isfile(path):
+        return path
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
+    os.makedirs(cache, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", tmp, SOURCE], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
+        os.replace(tmp, path)  # atomic: a racing process sees no file or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def _library():
+    global _LIB
+    if _LIB is None:
+        try:
+            # PyDLL: the call keeps the GIL (releasing it costs more than the ~1 us kernel)
+            lib = ctypes.PyDLL(_build())
+            args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_void_p]
+            for fn in (lib.sere_reroute_i32, lib.sere_reroute_i64):
+                fn.argtypes, fn.restype = args, ctypes.c_int
+            _FNS.update({torch.int32: lib.sere_reroute_i32, torch.int64: lib.sere_reroute_i64})
+            _MAX[:] = [lib.sere_max_experts(), lib.sere_max_slots()]
+            _LIB = lib
+        except (OSError, RuntimeError) as exc:
+            warnings.warn(f"sere-fx: the CPU re-routing kernel could not be built ({exc}); sere.reroute uses its "
+                          "PyTorch implementation on the CPU (slower at decode sizes)", RuntimeWarning, stacklevel=3)
+            _LIB = False
+    return _LIB or None
+
+
+def available() -> bool:
+    """Whether the C kernel is built and loaded (builds it on first call)."""
+    return _library() is not None
+
+
+def fits(num_experts: int, k: int) -> bool:
+    """Whether the kernel takes E experts and K slots (False where it could not be built)."""
+    if _LIB is None:
+        _library()
+    return num_experts <= _MAX[0] and k <= _MAX[1]
+
+
+def candidates(similarity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float32 similarity, int32 [E, E] candidates)`` for ``similarity``, cached.
+
+    The entry holds the tensor, so its id cannot be reused while the entry exists;
+    ``_version`` changes with any in-place update."""
+    key = (id(similarity), similarity._version)
     hit = _CACHE.get(key)
     if hit is None:
-        sim = similarity.detach().to(torch.float32).contiguous().numpy()
-        e = sim.shape[0]
-        order = np.lexsort((np.broadcast_to(np.arange(e), (e, e)), -sim), axis=1)
-        prefix = min(PREFIX, e)
-        cand = np.ascontiguousarray(order[:, :prefix])
-        hit = (similarity, sim, cand, np.arange(e) * prefix, np.arange(e))
+        sim = similarity.detach().to(torch.float32).contiguous()
+        values = sim.numpy()
+        e = values.shape[0]
+        order = np.lexsort((np.broadcast_to(np.arange(e), (e, e)), -values), axis=1)
+        hit = (similarity, sim, torch.from_numpy(np.ascontiguousarray(order, dtype=np.int32)))
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = hit
-    return hit[1:]
+    return hit[1], hit[2]
 
 
-def _array(t: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
-    """The tensor's memory as an array (no copy when it is contiguous and of ``dtype`` already)."""
-    if t.requires_grad:
-        t = t.detach()
+def launch(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float, rank_values: torch.Tensor | None,
+           valid_rows: torch.Tensor | None, free_rows: torch.Tensor | None) -> torch.Tensor:
+    """The kernel on contiguous CPU tensors, no checks: ``topk_ids`` int32/int64 ``[T, K]``,
+    ``rank_values`` float32 ``[T, K]``, ``valid_rows`` / ``free_rows`` bool with at least ``T``
+    entries (only the first ``T`` are read, so an engine passes its persistent row buffers
+    without slicing them); ``fits(E, K)``."""
+    sim, cand = candidates(similarity)
+    out = torch.empty_like(topk_ids)
+    t, k = topk_ids.shape
+    fn = _FNS[topk_ids.dtype]
+    fn(topk_ids.data_ptr(), out.data_ptr(), t, k, sim.shape[0], S, sim.data_ptr(), cand.data_ptr(), rho,
+       None if rank_values is None else rank_values.data_ptr(), None if valid_rows is None else valid_rows.data_ptr(),
+       None if free_rows is None else free_rows.data_ptr())
+    return out
+
+
+def _contiguous(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    if t is None:
+        return None
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
-    return (t if t.is_contiguous() else t.contiguous()).numpy()
-
-
-_ROW_STARTS: dict[tuple[int, int], np.ndarray] = {}
-
-
-def _row_starts(t: int, k: int) -> np.ndarray:
-    starts = _ROW_STARTS.get((t, k))
-    if starts is None:
-        starts = _ROW_STARTS[(t, k)] = (np.arange(t) * k)[:, None]
-    return starts
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
             rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
             free_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``sere.reroute`` for CPU tensors (same contract as ``sere_fx.ops.reroute_aten``)."""
-    sim, cand, row_base, experts = _candidates(similarity)
-    e = sim.shape[0]
-    ids = _array(topk_ids)
-    t, k = ids.shape
-    # Ids outside [0, E) (padding, fused shared experts) are rare: one reduction over the ids read
-    # as unsigned (-1 becomes the largest value) tells, and only then are they sent to the
-    # scratch slot E and restored at the end.
-    outside = None
-    if t and ids.view(np.uint32 if ids.dtype == np.int32 else np.uint64).max() >= e:
-        outside = (ids < 0) | (ids >= e)
-        original, ids = ids, np.where(outside, e, ids)
-    if rank_values is None:
-        primary_ids = ids[:, :S]
-    else:
-        values = _array(rank_values, torch.float32)
-        if S == 1:  # argmax takes the first (lowest) slot among equal values, like a stable sort
-            best = values.argmax(axis=1)[:, None]
-        else:
-            best = np.argsort(-values, axis=1, kind="stable")[:, :S]
-        primary_ids = ids.take(best + _row_starts(t, k))
-    valid = None if valid_rows is None else _array(valid_rows)
-    free = None if free_rows is None else (_array(free_rows) if valid is None else _array(free_rows) & ~valid)
-    if valid is not None and valid.all():  # pure decode steps: every row counts
-        valid = None
-    if valid is not None:
-        primary_ids = np.where(valid[:, None], primary_ids, e)  # invalid rows: a scratch slot
-    primary = np.zeros(e + 1, dtype=bool)
-    primary[primary_ids] = True
-    if free is not None:  # every expert of the free rows is read anyway
-        primary[ids[free]] = True
-    primary = primary[:e]
-    hits = primary.take(cand)
-    first = row_base + hits.argmax(axis=1)
-    table = cand.take(first)
-    found = hits.take(first)
-    keep = primary
-    if not found.all():  # no primary among the prefix (or no valid row at all): full rows
-        if not primary.any():  # no primary at all: nothing to re-route to
-            keep = np.ones(e, dtype=bool)
-        rows = np.flatnonzero(~found)
-        table[rows] = np.where(primary[None, :], sim[rows], -np.inf).argmax(axis=1)
-    if rho > 0:
-        keep = keep | (sim[experts, table] < np.float32(rho))
-    np.copyto(table, experts, where=keep)
-    if outside is not None:
-        table = np.append(table, e)  # the scratch slot maps to itself
-        ids = original
-        out = np.where(outside, ids, table.take(np.where(outside, e, ids)))
-    else:
-        out = table.take(ids)
-    if valid is not None:
-        out = np.where(valid[:, None], out, ids)
-    return torch.from_numpy(out.astype(ids.dtype, copy=False))
+    """``sere.reroute`` for CPU tensors (same contract as ``sere_fx.ops.reroute_aten``); call only
+    when ``fits(E, K)``."""
+    return launch(_contiguous(topk_ids), similarity, S, rho, _contiguous(rank_values, torch.float32),
+                  _contiguous(valid_rows), _contiguous(free_rows))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sere_fx.kernels import reroute_cpu
 from sere_fx.ops import free_experts, primary_mask, reroute_kernel
 from sere_fx.policies import TOPK_POLICIES
 from sere_fx.vllm import _logger
@@ -177,11 +178,19 @@ def _engine_rows(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 
 
 def _engine_reroute(topk_ids, similarity, S: int, rho: float, rank_values) -> torch.Tensor:
-    # sere.reroute's rule on this step's rows, in one opaque call: the NumPy kernel on the CPU,
-    # the Triton kernel on CUDA (sere.reroute itself is inlined by compilers, see sere_fx.ops).
+    # sere.reroute's rule on this step's rows, in one opaque call: the C kernel on the CPU, the
+    # Triton kernel on CUDA (sere.reroute itself is inlined by compilers, see sere_fx.ops).
     # Kept rows' experts are read anyway: they join the primary set.
-    kept = None if _no_kept_rows(topk_ids) else _mask(ENGINE.kept, topk_ids)
-    return reroute_kernel(topk_ids, similarity, S, rho, rank_values, _mask(ENGINE.rows, topk_ids), kept)
+    kept = None if _no_kept_rows(topk_ids) else ENGINE.kept
+    rows = ENGINE.rows
+    if (rows is not None and topk_ids.shape[0] <= rows.shape[0] and topk_ids.device.type == "cpu"
+            and S < topk_ids.shape[1] and reroute_cpu.fits(similarity.shape[0], topk_ids.shape[1])
+            and topk_ids.is_contiguous() and rank_values.dtype == torch.float32 and rank_values.is_contiguous()):
+        # The hot path on the CPU: the kernel reads the first T entries of the persistent row
+        # buffers themselves (no slices: each costs ~1 us, as much as the kernel).
+        return reroute_cpu.launch(topk_ids, similarity, S, rho, rank_values, rows, kept)
+    return reroute_kernel(topk_ids, similarity, S, rho, rank_values, _mask(rows, topk_ids),
+                          None if kept is None else _mask(kept, topk_ids))
 
 
 def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int) -> torch.Tensor:

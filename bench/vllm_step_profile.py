@@ -1,0 +1,121 @@
+"""Where a decode step's time goes inside a running vLLM engine, by the PyTorch profiler.
+
+    python bench/vllm_step_profile.py --model qwen3-30b-a3b-shape --batch 32 \
+        --out bench/results/vllm_step_profile_30b.json
+
+For each policy one engine (in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profiler
+sees the worker; default compilation, Inductor kernels profiled by name) runs ``--batch``
+requests to ``--warmup`` tokens, then ``--tokens`` more decode steps under
+``torch.profiler``. Reported per policy:
+
+- per MoE layer call: CPU time of the plugin's ops (``sere::engine_reroute``, the SERE step;
+  ``sere::engine_rows``, the row mask the other policies read; their own work is in Inductor's
+  fused kernels), of vLLM's fused-MoE op and of the router's kernels;
+- per decode step: the model forward, and the part of it outside the MoE experts' kernel
+  (the *non-MoE time*, which bounds any MoE speed-up: the end-to-end limit in
+  ``bench/vllm_serve.py``).
+
+Profiling adds ~1 us per recorded op; the figures are upper bounds of the unprofiled cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_children import MODELS, add_common_arguments, child, model_and_similarity, run_settings  # noqa: E402
+
+POLICIES = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2},
+            "weight": {"policy": "weight", "S": 1, "N": 0.6}}
+MOE_KERNEL_NAMES = ("moe", "grouped_mm", "fused_experts")  # vLLM's CPU fused-MoE op names contain one of these
+
+
+def one_engine(spec: dict) -> dict:
+    import torch
+    import torch._inductor.config as inductor_config
+    from vllm import LLM, SamplingParams
+
+    inductor_config.cpp.enable_kernel_profile = True  # Inductor kernels appear in the profile by name
+    sere = spec["sere"]
+    llm = LLM(model=spec["model"], dtype="bfloat16", additional_config={"sere": sere} if sere else {},
+              max_model_len=512, max_num_seqs=spec["batch"], seed=0, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 4000 + 10 for j in range(16)]} for i in range(spec["batch"])]
+    params = SamplingParams(max_tokens=spec["warmup"] + spec["tokens"], temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # compile and warm every shape
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    events = {}
+    for e in prof.key_averages():
+        events[e.key] = {"count": e.count, "total_us": e.cpu_time_total, "self_us": e.self_cpu_time_total}
+    return {"events": events}
+
+
+def summarize(name: str, events: dict, layers: int, steps: int) -> dict:
+    def pick(pred):
+        hits = {k: v for k, v in events.items() if pred(k)}
+        return hits, sum(v["total_us"] for v in hits.values())
+
+    sere_ops = {k: v for k, v in events.items() if k.startswith("sere::")}
+    moe, moe_us = pick(lambda k: any(n in k.lower() for n in MOE_KERNEL_NAMES) and not k.startswith("sere::")
+                       and "cpp_fused" not in k)
+    forward = max((v for k, v in events.items() if "Torch-Compiled Region" in k), key=lambda v: v["total_us"],
+                  default=None)
+    out = {"policy": name, "per_call_us": {k: v["total_us"] / max(v["count"], 1) for k, v in sere_ops.items()},
+           "calls": {k: v["count"] for k, v in sere_ops.items()}, "moe_kernels": sorted(moe)}
+    out["moe_us_per_layer_call"] = moe_us / max(1, layers * steps)
+    if forward is not None:
+        out["forward_us_per_step"] = forward["total_us"] / max(forward["count"], 1)
+        out["non_moe_us_per_step"] = out["forward_us_per_step"] - moe_us / max(forward["count"], 1)
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODELS, default="qwen3-30b-a3b-shape")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers of the Qwen3-30B-A3B-shaped model")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    p.add_argument("--cache", default="/tmp/sere-bench", help="where a generated model goes")
+    p.add_argument("--top", type=int, default=0, help="also print the N most expensive ops of each engine")
+    add_common_arguments(p)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(one_engine, args.child)
+    model, sim = model_and_similarity(args.model, args.cache, args.layers, args.sim)
+    layers = json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"]
+    settings = {}
+    for name in args.policies:
+        sere = None if POLICIES[name] is None else dict(POLICIES[name])
+        if sere is not None and sere.get("policy", "sere") == "sere":
+            sere["sim"] = sim
+        settings[name] = sere
+    raw = run_settings(os.path.abspath(__file__), settings,
+                       {"model": model, "batch": args.batch, "warmup": args.warmup, "tokens": args.tokens},
+                       env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    steps = args.warmup + args.tokens  # decode steps in the profiled pass (one prefill step besides)
+    results = {"config": vars(args), "policies": {}}
+    print(f"{args.model}, batch {args.batch}: per MoE layer call and per model forward, us (profiled)")
+    for name, r in raw.items():
+        s = summarize(name, r["events"], layers, steps)
+        results["policies"][name] = {**s, "events": r["events"]}
+        ops = ", ".join(f"{k} {v:.1f}" for k, v in s["per_call_us"].items()) or "-"
+        print(f"  {name:7s} plugin ops per call: {ops}; fused-MoE {s['moe_us_per_layer_call']:.0f} per layer call; "
+              f"forward {s.get('forward_us_per_step', float('nan')):.0f}, non-MoE "
+              f"{s.get('non_moe_us_per_step', float('nan')):.0f} per step")
+        if args.top:
+            top = sorted(r["events"].items(), key=lambda kv: -kv[1]["self_us"])[: args.top]
+            for k, v in top:
+                print(f"      {v['self_us'] / max(v['count'], 1):9.1f} us x {v['count']:6d}  {k[:90]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
