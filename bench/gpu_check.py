@@ -1,10 +1,15 @@
 """GPU checks, as one script for a lent CUDA machine (nothing here runs in CI).
 
-1. Triton re-routing kernel == PyTorch implementation on CUDA (many random cases, ties).
-2. Kernel timing: 128 experts, top-8, batch 1..64 (CUDA events, median of 200); target <= 10 us.
+1. Triton re-routing kernels == PyTorch implementation on CUDA (many random cases, ties; rank
+   values, valid and free rows, ids outside [0, E); prefill-sized steps of up to 8192 rows).
+2. Kernel timing: 128 experts, top-8, batch 1..64 and a 4096-row prefill step with no decode
+   row (the early exit), CUDA events, median of 200; target <= 10 us.
 3. torch.compile on CUDA: SERE backend, fullgraph decode step of a tiny model == eager transform.
 4. MoE-layer latency at Qwen3-30B-A3B size (bf16, grouped_mm): baseline vs SERE, speed-up vs limit.
 5. TensorRT export of a tiny transformed model, if torch-tensorrt imports.
+6. The serving benchmark on CUDA, if vLLM imports: bench/vllm_serve.py on the 2-layer
+   Qwen3-30B-A3B-shaped model, plain / sere / oea, concurrency 1-64, one round, within
+   --server-timeout seconds (its JSON and plot go to DIR).
 
     python bench/gpu_check.py [--out DIR]      # JSON summary to DIR/gpu_check.json
 """
@@ -58,7 +63,23 @@ def check_kernel() -> dict:
         a = ops.reroute_aten(ids, sim, s, rho)
         b = torch.ops.sere.reroute(ids, sim, s, rho)  # Triton on CUDA
         bad += int(not torch.equal(a, b))
-    return {"cases": 300, "mismatches": bad}
+    # the engine's call: rank values, valid rows (decode), free rows (prompt rows), padding ids;
+    # prefill-sized steps exercise the row-parallel first phase across many programs
+    engine_bad = 0
+    for trial, t in enumerate((1, 31, 33, 700, 4096, 8192)):
+        e, k, s = 128, 8, 2
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        ids[torch.rand(ids.shape, generator=g) < 0.02] = -1
+        values = torch.rand(ids.shape, generator=g)
+        valid = torch.rand(t, generator=g) < 0.5
+        free = ~valid & (torch.rand(t, generator=g) < 0.5)
+        sim = torch.rand(e, e, generator=g)
+        args = [x.cuda() for x in (ids, sim)]
+        for rho in (0.0, 0.5):
+            a = ops.reroute_aten(args[0], args[1], s, rho, values.cuda(), valid.cuda(), free.cuda())
+            b = torch.ops.sere.reroute(args[0], args[1], s, rho, values.cuda(), valid.cuda(), free.cuda())
+            engine_bad += int(not torch.equal(a, b))
+    return {"cases": 300, "mismatches": bad, "engine_cases": 12, "engine_mismatches": engine_bad}
 
 
 def time_kernel() -> dict:
@@ -70,6 +91,12 @@ def time_kernel() -> dict:
         ref = cuda_time_us(lambda: ops.reroute_aten(ids, sim, 2, 0.5))
         out[batch] = {"triton_us": tri, "pytorch_us": ref}
         print(f"  reroute E=128 K=8 B={batch}: triton {tri:.1f} us, pytorch {ref:.1f} us", flush=True)
+    ids = torch.stack([torch.randperm(128)[:8] for _ in range(4096)]).cuda()
+    values, none = torch.rand(ids.shape, device="cuda"), torch.zeros(4096, dtype=torch.bool, device="cuda")
+    out["prefill_4096_no_decode_rows"] = {"triton_us": cuda_time_us(
+        lambda: torch.ops.sere.reroute(ids, sim, 2, 0.5, values, none, ~none))}
+    print(f"  reroute 4096 prompt rows, no decode row: {out['prefill_4096_no_decode_rows']['triton_us']:.1f} us",
+          flush=True)
     return out
 
 
@@ -144,17 +171,37 @@ def tensorrt() -> dict:
     return {"path": path, "bytes": os.path.getsize(path)}
 
 
+def server(out_dir: str, timeout_s: int) -> dict:
+    import subprocess
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        return {"skipped": f"vLLM does not import here ({exc})"}
+    out = os.path.join(out_dir, "vllm_serve_cuda.json")
+    cmd = [sys.executable, os.path.join(HERE, "vllm_serve.py"), "--model", "qwen3-30b-a3b-shape", "--policies",
+           "plain", "sere", "oea", "--datasets", "random", "--output-len", "32", "--repeats", "1", "--out", out]
+    done = subprocess.run(cmd, timeout=timeout_s, capture_output=True, text=True)
+    print(done.stdout[-4000:], flush=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm_serve.py exited {done.returncode}: {done.stderr[-1500:]}")
+    return {"json": out, "table": json.load(open(out))["table"]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--server-timeout", type=int, default=330, help="seconds for the serving benchmark (check 6)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here")
         return 2
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    os.makedirs(args.out, exist_ok=True)
     for name, fn in (("kernel", check_kernel), ("kernel_timing", time_kernel), ("compile", check_compile),
-                     ("moe_layer", moe_layer), ("tensorrt", tensorrt)):
+                     ("moe_layer", moe_layer), ("tensorrt", tensorrt),
+                     ("server", lambda: server(args.out, args.server_timeout))):
         start = time.perf_counter()
         try:
             summary[name] = fn()

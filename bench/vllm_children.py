@@ -121,6 +121,14 @@ def add_common_arguments(parser) -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
 
+def write_results(path: str | None, results: dict) -> dict:
+    """Write ``results`` as JSON to ``path`` (``--out``), if given; returns them."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
 def child(one_engine, spec_path: str) -> None:
     """In the child process: run ``one_engine`` on the spec and write its result."""
     spec = json.load(open(spec_path))

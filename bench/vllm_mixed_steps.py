@@ -16,10 +16,10 @@ another sere-fx source tree first on the engines' path, to run the same workload
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
-from vllm_children import TESTBED, TESTBED_MODEL, add_common_arguments, child, run_settings, testbed_similarity
+from vllm_children import (TESTBED, TESTBED_MODEL, add_common_arguments, child, run_settings, testbed_similarity,
+                           write_results)
 
 SETTINGS = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2}}
 
@@ -81,10 +81,7 @@ def main(argv=None) -> dict:
             r[field] = sum(v.get(field, float("nan")) for v in layers) / len(layers)
         print(f"{name:8s} {r['agreement']:9.3f} {r['distinct_before']:7.1f} {r['distinct_after']:7.1f} "
               f"{r['free_after']:6.1f} {r['prefill_rows']:9.1f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    return results
+    return write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,17 @@ starts with cold caches and costs more (see bench/RESULTS.md).
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_children import write_results  # noqa: E402
 
 
 def timed(fn, repeats: int, batches: int = 15):
@@ -88,10 +92,7 @@ def main(argv=None) -> dict:
             continue
         extra = f"  (+{r['median_us'] - base:.1f} us over the router)" if name.startswith("router+") else ""
         print(f"  {name:16s} {r['median_us']:8.1f}  [{r['p10_us']:.1f}, {r['p90_us']:.1f}]{extra}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    return results
+    return write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ bytes limit) from ``routing_stats``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
-from vllm_children import TESTBED, TESTBED_MODEL, add_common_arguments, child, run_settings, testbed_similarity
+from vllm_children import (TESTBED, TESTBED_MODEL, add_common_arguments, child, run_settings, testbed_similarity,
+                           write_results)
 
 SETTINGS = {"plain": None, "reroute": {"S": 2, "rho": 0.0}, "keep": {"S": 2, "rho": 0.0, "spec_decode": "keep"}}
 
@@ -95,10 +95,7 @@ def main(argv=None) -> dict:
         print(f"{name:8s} {r['acceptance_rate']:7.3f} {r['mean_accepted_length']:8.2f} {r['tokens_per_s']:7.0f} "
               f"{same:>6d}/{len(plain_tokens):<6d} {experts:>40s}")
         del r["tokens"]
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    return results
+    return write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ requests to ``--warmup`` tokens, then ``--tokens`` more decode steps under
 - per MoE layer call: CPU time of the plugin's ops (``sere::engine_reroute``, the SERE step;
   ``sere::engine_rows``, the row mask the other policies read; their own work is in Inductor's
   fused kernels), of vLLM's fused-MoE op and of the router's kernels;
-- per decode step: the model forward, and the part of it outside the MoE experts' kernel
-  (the *non-MoE time*, which bounds any MoE speed-up: the end-to-end limit in
-  ``bench/vllm_serve.py``).
+- per step: the wall time of an unprofiled pass over the same steps, and the part of it
+  outside the MoE experts' kernel (the *non-MoE time*, which bounds any MoE speed-up; compare
+  the end-to-end limit of ``bench/vllm_serve.py``).
 
 Profiling adds ~1 us per recorded op; the figures are upper bounds of the unprofiled cost.
 """
@@ -24,9 +24,11 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_children import MODELS, add_common_arguments, child, model_and_similarity, run_settings  # noqa: E402
+from vllm_children import (MODELS, add_common_arguments, child, model_and_similarity, run_settings,  # noqa: E402
+                           write_results)
 
 POLICIES = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2},
             "weight": {"policy": "weight", "S": 1, "N": 0.6}}
@@ -45,15 +47,18 @@ def one_engine(spec: dict) -> dict:
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 4000 + 10 for j in range(16)]} for i in range(spec["batch"])]
     params = SamplingParams(max_tokens=spec["warmup"] + spec["tokens"], temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # compile and warm every shape
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)  # the step time, unprofiled
+    step_us = (time.perf_counter() - start) / (spec["warmup"] + spec["tokens"]) * 1e6
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
     events = {}
     for e in prof.key_averages():
         events[e.key] = {"count": e.count, "total_us": e.cpu_time_total, "self_us": e.self_cpu_time_total}
-    return {"events": events}
+    return {"events": events, "step_us": step_us}
 
 
-def summarize(name: str, events: dict, layers: int, steps: int) -> dict:
+def summarize(name: str, events: dict, step_us: float, layers: int, steps: int) -> dict:
     def pick(pred):
         hits = {k: v for k, v in events.items() if pred(k)}
         return hits, sum(v["total_us"] for v in hits.values())
@@ -61,14 +66,11 @@ def summarize(name: str, events: dict, layers: int, steps: int) -> dict:
     sere_ops = {k: v for k, v in events.items() if k.startswith("sere::")}
     moe, moe_us = pick(lambda k: any(n in k.lower() for n in MOE_KERNEL_NAMES) and not k.startswith("sere::")
                        and "cpp_fused" not in k)
-    forward = max((v for k, v in events.items() if "Torch-Compiled Region" in k), key=lambda v: v["total_us"],
-                  default=None)
     out = {"policy": name, "per_call_us": {k: v["total_us"] / max(v["count"], 1) for k, v in sere_ops.items()},
            "calls": {k: v["count"] for k, v in sere_ops.items()}, "moe_kernels": sorted(moe)}
     out["moe_us_per_layer_call"] = moe_us / max(1, layers * steps)
-    if forward is not None:
-        out["forward_us_per_step"] = forward["total_us"] / max(forward["count"], 1)
-        out["non_moe_us_per_step"] = out["forward_us_per_step"] - moe_us / max(forward["count"], 1)
+    out["step_us"] = step_us  # wall time per step of an unprofiled pass (prefill step included)
+    out["non_moe_us_per_step"] = step_us - layers * out["moe_us_per_layer_call"]
     return out
 
 
@@ -99,22 +101,18 @@ def main(argv=None) -> dict:
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     steps = args.warmup + args.tokens  # decode steps in the profiled pass (one prefill step besides)
     results = {"config": vars(args), "policies": {}}
-    print(f"{args.model}, batch {args.batch}: per MoE layer call and per model forward, us (profiled)")
+    print(f"{args.model}, batch {args.batch}: per MoE layer call (profiled) and per step, us")
     for name, r in raw.items():
-        s = summarize(name, r["events"], layers, steps)
+        s = summarize(name, r["events"], r["step_us"], layers, steps)
         results["policies"][name] = {**s, "events": r["events"]}
         ops = ", ".join(f"{k} {v:.1f}" for k, v in s["per_call_us"].items()) or "-"
         print(f"  {name:7s} plugin ops per call: {ops}; fused-MoE {s['moe_us_per_layer_call']:.0f} per layer call; "
-              f"forward {s.get('forward_us_per_step', float('nan')):.0f}, non-MoE "
-              f"{s.get('non_moe_us_per_step', float('nan')):.0f} per step")
+              f"step {s['step_us']:.0f} (unprofiled), of which non-MoE {s['non_moe_us_per_step']:.0f}")
         if args.top:
             top = sorted(r["events"].items(), key=lambda kv: -kv[1]["self_us"])[: args.top]
             for k, v in top:
                 print(f"      {v['self_us'] / max(v['count'], 1):9.1f} us x {v['count']:6d}  {k[:90]}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    return results
+    return write_results(args.out, results)
 
 
 if __name__ == "__main__":

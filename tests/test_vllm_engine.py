@@ -329,3 +329,13 @@ def test_readme_server_example(workdir, testbed_sim):
         assert series[f"sere_fx_distinct_experts_after_total{labels}"] < series[f"sere_fx_distinct_experts_before_total{labels}"]
         mean = series[f"sere_fx_distinct_experts_before_per_step{labels}"]
         assert mean == pytest.approx(series[f"sere_fx_distinct_experts_before_total{labels}"] / steps)
+    # bench/vllm_serve.py's reader of these counters sums the same series over layers
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from vllm_serve import routing_counts
+
+    def total(name):
+        return sum(v for k, v in series.items() if k.startswith(f"{name}_total{{"))
+
+    assert routing_counts(metrics) == (total("sere_fx_decode_steps"), total("sere_fx_distinct_experts_before"),
+                                       total("sere_fx_distinct_experts_after"))
+    assert routing_counts(metrics)[0] == 4 * 31
