@@ -166,6 +166,23 @@ def routing_counts(text: str) -> tuple[float, float, float]:
 
 # --- the limits ------------------------------------------------------------------------------
 
+_WEIGHTS: dict[tuple, list] = {}
+
+
+def _moe_weights(e: int, h: int, inter: int, layers: int, isa: str) -> list:
+    """Prepacked random expert weights for several layers (made once per shape)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    key = (e, h, inter, layers, isa)
+    if key not in _WEIGHTS:
+        copies = max(layers, -(-64 * 2**20 // (e * 3 * h * inter * 2)))
+        g = torch.Generator().manual_seed(0)
+        _WEIGHTS[key] = [tuple(ops.cpu_prepack_moe_weight(torch.empty(shape, dtype=torch.bfloat16).normal_(
+            0, 0.02, generator=g), isa) for shape in ((e, 2 * inter, h), (e, h, inter))) for _ in range(copies)]
+    return _WEIGHTS[key]
+
+
 def moe_kernel_us(config: dict, tokens: int, distinct: float, repeats: int = 30) -> float:
     """Median time of vLLM's CPU fused-MoE op for ``tokens`` rows whose top-k ids cover
     ``distinct`` experts (rounded), on this model's sizes, one thread (as the engine's worker).
@@ -181,14 +198,9 @@ def moe_kernel_us(config: dict, tokens: int, distinct: float, repeats: int = 30)
     h, inter = config["hidden_size"], config["moe_intermediate_size"]
     d = max(1, min(e, round(distinct), tokens * k))
     isa = "amx" if X86CPUUnquantizedExperts._supports_current_device() else "vec"  # as the engine picks
-    layer_bytes = e * 3 * h * inter * 2
-    copies = max(config["num_hidden_layers"], -(-64 * 2**20 // layer_bytes))
+    weights = _moe_weights(e, h, inter, config["num_hidden_layers"], isa)
+    copies = len(weights)
     g = torch.Generator().manual_seed(0)
-    weights = []
-    for _ in range(copies):
-        w13 = torch.empty(e, 2 * inter, h, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
-        w2 = torch.empty(e, h, inter, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
-        weights.append((ops.cpu_prepack_moe_weight(w13, isa), ops.cpu_prepack_moe_weight(w2, isa)))
     x = (torch.randn(tokens, h, generator=g) * 0.1).to(torch.bfloat16)
     chosen = torch.randperm(e, generator=g)[:d]
     # the tokens' K slots go round the d experts, so together they cover all d (a token repeats
@@ -277,9 +289,30 @@ def run(args) -> dict:
                               f"{res['output_throughput']:8.1f} tok/s", flush=True)
             finally:
                 server.stop()
-    counts: dict[str, dict[str, dict]] = {}
+    counts = {} if args.no_counts else count_experts(model, settings, datasets, points, args, scratch, max_seqs)
+    return summarize(args, config, runs, counts, points, datasets)
+
+
+def settled_counts(server: Server, timeout_s: float = 15.0) -> tuple[float, float, float]:
+    """``routing_counts`` once two reads 1.2 s apart agree: workers write their counters once a
+    second, so a read right after a run can miss its last steps."""
+    last = routing_counts(server.metrics())
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        time.sleep(1.2)
+        now = routing_counts(server.metrics())
+        if now == last:
+            return now
+        last = now
+    raise RuntimeError(f"the routing counters did not settle within {timeout_s:.0f} s; see {server.log}")
+
+
+def count_experts(model, settings, datasets, points, args, scratch, max_seqs) -> dict:
+    """``{policy: {point: {"before", "after"}}}``: distinct experts per MoE layer per decode step,
+    from a server per policy with ``"stats": true`` (not timed), each point run once."""
+    counts = {}
     for name, sere in settings.items():
-        if sere is None or args.no_counts:
+        if sere is None:
             continue
         print(f"{name}: counting distinct experts (a server with stats on, not timed) ...", flush=True)
         server = Server(model, {**sere, "stats": True}, max_seqs, os.path.join(scratch, f"{name}.stats.log"))
@@ -287,17 +320,15 @@ def run(args) -> dict:
             counts[name] = {}
             for dname, path in datasets.items():
                 for point in points:
-                    before = routing_counts(server.metrics())
+                    before = settled_counts(server)
                     client(server.port, model, (dname, path), args.input_len, args.output_len,
                            prompts_for(args, point), point["concurrency"], point["rate"])
-                    time.sleep(2.5)  # workers write their counters once a second
-                    after = routing_counts(server.metrics())
-                    steps, d_before, d_after = (a - b for a, b in zip(after, before))
+                    steps, d_before, d_after = (a - b for a, b in zip(settled_counts(server), before))
                     counts[name][point_key(dname, point)] = {"before": d_before / max(steps, 1),
-                                                             "after": d_after / max(steps, 1)}
+                                                             "after": d_after / max(steps, 1), "steps": steps}
         finally:
             server.stop()
-    return summarize(args, config, runs, counts, points, datasets)
+    return counts
 
 
 def _median_range(values):
@@ -472,12 +503,28 @@ def main(argv=None) -> dict:
     p.add_argument("--sim", default=None, help="similarity file (default: calibrated / random, see vllm_children)")
     p.add_argument("--out", default=None, help="results JSON; the plot goes beside it (.png)")
     p.add_argument("--markdown", default=None, metavar="JSON", help="print an earlier run's tables as Markdown, and stop")
+    p.add_argument("--recount", default=None, metavar="JSON",
+                   help="count an earlier run's distinct experts again (its timings stay; rewrites it), and stop")
     p.add_argument("--summarize", default=None, metavar="JSON",
                    help="recompute an earlier run's limits and tables from its raw figures (rewrites it), and stop")
     args = p.parse_args(argv)
     if args.markdown:
         print(markdown(json.load(open(args.markdown))))
         return {}
+    if args.recount:  # count an earlier run's distinct experts again (its timings stay), then summarize
+        old = json.load(open(args.recount))
+        saved = argparse.Namespace(**old["config"])
+        model, sim = model_and_similarity(saved.model, saved.cache, saved.layers, saved.sim)
+        scratch = os.path.join(HERE, "results", ".serve")
+        datasets = {"random": None}
+        if "text" in saved.datasets:
+            datasets["text"] = os.path.join(scratch, "text.jsonl")
+        datasets = {k: v for k, v in datasets.items() if k in saved.datasets}
+        old["counts"] = count_experts(model, settings_for(saved, sim), datasets, load_points(saved), saved, scratch,
+                                      max(64, *saved.concurrency))
+        with open(args.recount, "w") as f:
+            json.dump(old, f, indent=1)
+        args.summarize = args.recount
     if args.summarize:  # recompute the limits and tables of an earlier run from its raw figures
         old = json.load(open(args.summarize))
         saved = argparse.Namespace(**old["config"])

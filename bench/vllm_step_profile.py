@@ -1,14 +1,15 @@
 """Where a decode step's time goes inside a running vLLM engine, by the PyTorch profiler.
 
-    python bench/vllm_step_profile.py --model qwen3-30b-a3b-shape --batch 32 \
+    python bench/vllm_step_profile.py --model qwen3-30b-a3b-shape --batches 1 8 16 32 64 \
         --out bench/results/vllm_step_profile_30b.json
 
 For each policy one engine (in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profiler
-sees the worker; default compilation, Inductor kernels profiled by name) runs ``--batch``
-requests to ``--warmup`` tokens, then ``--tokens`` more decode steps under
-``torch.profiler``. Reported per policy:
+sees the worker; default compilation, Inductor kernels profiled by name) serves, at each of
+``--batches``, that many 16-token prompts to ``--warmup`` + ``--tokens`` greedy tokens three
+times: to warm up, timed, and under ``torch.profiler``. Reported per policy and batch:
 
-- per MoE layer call: CPU time of the plugin's ops (``sere::engine_reroute``, the SERE step;
+- per MoE layer call: CPU time of the plugin's ops (``sere_native::engine_reroute``, the SERE
+  step on the CPU, or ``sere::engine_reroute`` where the native op could not be built;
   ``sere::engine_rows``, the row mask the other policies read; their own work is in Inductor's
   fused kernels), of vLLM's fused-MoE op and of the router's kernels;
 - per step: the wall time of an unprofiled pass over the same steps, and the part of it
@@ -43,19 +44,21 @@ def one_engine(spec: dict) -> dict:
     inductor_config.cpp.enable_kernel_profile = True  # Inductor kernels appear in the profile by name
     sere = spec["sere"]
     llm = LLM(model=spec["model"], dtype="bfloat16", additional_config={"sere": sere} if sere else {},
-              max_model_len=512, max_num_seqs=spec["batch"], seed=0, enable_prefix_caching=False)
-    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 4000 + 10 for j in range(16)]} for i in range(spec["batch"])]
-    params = SamplingParams(max_tokens=spec["warmup"] + spec["tokens"], temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)  # compile and warm every shape
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)  # the step time, unprofiled
-    step_us = (time.perf_counter() - start) / (spec["warmup"] + spec["tokens"]) * 1e6
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-    events = {}
-    for e in prof.key_averages():
-        events[e.key] = {"count": e.count, "total_us": e.cpu_time_total, "self_us": e.self_cpu_time_total}
-    return {"events": events, "step_us": step_us}
+              max_model_len=512, max_num_seqs=max(spec["batches"]), seed=0, enable_prefix_caching=False)
+    out = {}
+    for batch in spec["batches"]:
+        prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 4000 + 10 for j in range(16)]} for i in range(batch)]
+        params = SamplingParams(max_tokens=spec["warmup"] + spec["tokens"], temperature=0.0, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)  # compile and warm every shape
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)  # the step time, unprofiled
+        step_us = (time.perf_counter() - start) / (spec["warmup"] + spec["tokens"]) * 1e6
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+        events = {e.key: {"count": e.count, "total_us": e.cpu_time_total, "self_us": e.self_cpu_time_total}
+                  for e in prof.key_averages()}
+        out[str(batch)] = {"events": events, "step_us": step_us}
+    return out
 
 
 def summarize(name: str, events: dict, step_us: float, layers: int, steps: int) -> dict:
@@ -63,8 +66,8 @@ def summarize(name: str, events: dict, step_us: float, layers: int, steps: int) 
         hits = {k: v for k, v in events.items() if pred(k)}
         return hits, sum(v["total_us"] for v in hits.values())
 
-    sere_ops = {k: v for k, v in events.items() if k.startswith("sere::")}
-    moe, moe_us = pick(lambda k: any(n in k.lower() for n in MOE_KERNEL_NAMES) and not k.startswith("sere::")
+    sere_ops = {k: v for k, v in events.items() if k.startswith(("sere::", "sere_native::"))}
+    moe, moe_us = pick(lambda k: any(n in k.lower() for n in MOE_KERNEL_NAMES) and k not in sere_ops
                        and "cpp_fused" not in k)
     out = {"policy": name, "per_call_us": {k: v["total_us"] / max(v["count"], 1) for k, v in sere_ops.items()},
            "calls": {k: v["count"] for k, v in sere_ops.items()}, "moe_kernels": sorted(moe)}
@@ -78,7 +81,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=MODELS, default="qwen3-30b-a3b-shape")
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the Qwen3-30B-A3B-shaped model")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batches", type=int, nargs="+", default=[32], help="batch sizes (concurrent requests)")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
@@ -97,21 +100,23 @@ def main(argv=None) -> dict:
             sere["sim"] = sim
         settings[name] = sere
     raw = run_settings(os.path.abspath(__file__), settings,
-                       {"model": model, "batch": args.batch, "warmup": args.warmup, "tokens": args.tokens},
+                       {"model": model, "batches": args.batches, "warmup": args.warmup, "tokens": args.tokens},
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     steps = args.warmup + args.tokens  # decode steps in the profiled pass (one prefill step besides)
     results = {"config": vars(args), "policies": {}}
-    print(f"{args.model}, batch {args.batch}: per MoE layer call (profiled) and per step, us")
-    for name, r in raw.items():
-        s = summarize(name, r["events"], r["step_us"], layers, steps)
-        results["policies"][name] = {**s, "events": r["events"]}
-        ops = ", ".join(f"{k} {v:.1f}" for k, v in s["per_call_us"].items()) or "-"
-        print(f"  {name:7s} plugin ops per call: {ops}; fused-MoE {s['moe_us_per_layer_call']:.0f} per layer call; "
-              f"step {s['step_us']:.0f} (unprofiled), of which non-MoE {s['non_moe_us_per_step']:.0f}")
-        if args.top:
-            top = sorted(r["events"].items(), key=lambda kv: -kv[1]["self_us"])[: args.top]
-            for k, v in top:
-                print(f"      {v['self_us'] / max(v['count'], 1):9.1f} us x {v['count']:6d}  {k[:90]}")
+    for batch in map(str, args.batches):
+        print(f"{args.model}, batch {batch}: per MoE layer call (profiled) and per step, us")
+        for name, per_batch in raw.items():
+            r = per_batch[batch]
+            s = summarize(name, r["events"], r["step_us"], layers, steps)
+            results["policies"].setdefault(name, {})[batch] = {**s, "events": r["events"]}
+            ops = ", ".join(f"{k} {v:.1f}" for k, v in s["per_call_us"].items()) or "-"
+            print(f"  {name:7s} plugin ops per call: {ops}; fused-MoE {s['moe_us_per_layer_call']:.0f} per layer call; "
+                  f"step {s['step_us']:.0f} (unprofiled), of which non-MoE {s['non_moe_us_per_step']:.0f}")
+            if args.top:
+                top = sorted(r["events"].items(), key=lambda kv: -kv[1]["self_us"])[: args.top]
+                for k, v in top:
+                    print(f"      {v['self_us'] / max(v['count'], 1):9.1f} us x {v['count']:6d}  {k[:90]}")
     return write_results(args.out, results)
 
 

@@ -285,6 +285,29 @@ def test_triton_free_rows_and_ids_outside_the_experts(case):
     assert torch.equal(out, engine_reroute_loop(ids, values, valid, free, sim, S, rho))
 
 
+@needs_triton
+@pytest.mark.parametrize("valid_share", [0.0, 0.3, 1.0])
+def test_triton_prefill_sized_steps(valid_share):
+    # 300 rows: ten programs in the row and slot phases, five in the expert phase (E = 160); each
+    # row's two best-ranked slots hold experts < 20, so there is something to re-route; a step with
+    # no valid row must come back unchanged, whatever its free rows hold
+    g = torch.Generator().manual_seed(7)
+    E, K, T = 160, 8, 300
+    ids = torch.stack([torch.cat([torch.randperm(20, generator=g)[:2], 20 + torch.randperm(E - 20, generator=g)[:K - 2]])
+                       for _ in range(T)]).to(torch.int32)
+    ids[torch.rand(ids.shape, generator=g) < 0.03] = -1
+    values = torch.linspace(1.0, 0.1, K).repeat(T, 1)[:, torch.randperm(K, generator=g)]
+    ids = ids.gather(1, values.argsort(dim=1, descending=True).argsort(dim=1))  # best-ranked slots hold the < 20s
+    valid = torch.rand(T, generator=g) < valid_share
+    free = ~valid & (torch.rand(T, generator=g) < 0.01)
+    sim = torch.rand(E, E, generator=g)
+    for rho in (0.0, 0.4):
+        with ops.use_triton():
+            out = reroute(ids, sim, 2, rho, values, valid, free)
+        assert torch.equal(out, engine_reroute_loop(ids, values, valid, free, sim, 2, rho))
+        assert torch.equal(out, ids) == (not valid.any())
+
+
 def test_free_rows_add_primaries_for_the_others():
     # row 0 re-routes; row 1 is a prompt row whose experts are read anyway
     sim = torch.tensor([[1.0, 0.9, 0.2, 0.1], [0.9, 1.0, 0.1, 0.2], [0.2, 0.1, 1.0, 0.8], [0.1, 0.2, 0.8, 1.0]])

@@ -146,3 +146,35 @@ def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float
     when ``fits(E, K)``."""
     return launch(_contiguous(topk_ids), similarity, S, rho, _contiguous(rank_values, torch.float32),
                   _contiguous(valid_rows), _contiguous(free_rows))
+
+
+# --- the engine's native op ------------------------------------------------------------------
+# ``engine_op.cpp``: the vLLM plugin's SERE step as a CPU kernel of its own op
+# (``torch.ops.sere_native.engine_reroute``), dispatched from vLLM's compiled graph without a
+# Python frame. A PyTorch C++ extension, built once per torch version with
+# ``torch.utils.cpp_extension`` (~1 minute; cached in ``$TORCH_EXTENSIONS_DIR``).
+_NATIVE: bool | None = None
+
+
+def load_engine_op() -> bool:
+    """Build (once) and load the engine's native op; False, with one warning, where that fails."""
+    global _NATIVE
+    if _NATIVE is None:
+        try:
+            from torch.utils import cpp_extension
+
+            here = os.path.dirname(SOURCE)
+            cpp_extension.load(name="sere_fx_engine_op", sources=[os.path.join(here, "engine_op.cpp")],
+                               extra_include_paths=[here], extra_cflags=["-O2"], is_python_module=False,
+                               verbose=False)
+
+            @torch.library.register_fake("sere_native::engine_reroute")
+            def _(topk_ids, similarity, candidates, S, rho, rank_values):
+                return torch.empty_like(topk_ids)
+
+            _NATIVE = True
+        except Exception as exc:  # no compiler, no ninja, headers missing: the Python op serves
+            warnings.warn(f"sere-fx: the engine's native CPU op could not be built ({type(exc).__name__}: "
+                          f"{str(exc)[:300]}); the plugin's SERE step runs its Python op", RuntimeWarning, stacklevel=2)
+            _NATIVE = False
+    return _NATIVE

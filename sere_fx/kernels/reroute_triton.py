@@ -8,13 +8,14 @@ rows) costs a few programs per phase instead of one program looping over every r
    or an equal value at a lower slot: compare-and-reduce, no sort) and every slot of a free
    row mark their experts in ``primary [E]``. Programs only ever write 1, so the race between
    them is benign and needs no atomics; a program with no valid or free row loads nothing.
-   ``primary[E]`` (one past the last expert) is set when any expert is primary.
+   Two flags follow the E entries: some expert is primary, some row is valid.
 2. ``_table_kernel``, one program per ``BLOCK_R`` experts: the best primary expert of each
    row of the similarity matrix (ties: lowest index, like ``torch.argmax``), the critical
-   test against rho in float32, written to a remap table. When nothing is primary (a step
-   with no decode rows) every program exits at once: its loads are masked off.
+   test against rho in float32, written to a remap table. A step with no valid row (no decode
+   row) reads no similarity row: those loads are masked off.
 3. ``_apply_kernel``, one program per ``BLOCK_N`` slots: ``out = table[ids]`` on valid rows,
-   ``ids`` elsewhere and for ids outside ``[0, E)``; without a primary expert, a copy.
+   ``ids`` elsewhere and for ids outside ``[0, E)``; without a valid row or a primary expert,
+   a copy that reads no table entry.
 
 Every load is masked. Everything stays on the device with launch shapes that depend only on
 the tensors' sizes (no host sync), so the launches can be captured in a CUDA graph.
@@ -64,21 +65,23 @@ if AVAILABLE:
         tl.store(primary_ptr + e, tl.full([BLOCK_T, BLOCK_K], 1, tl.int32), mask=take)
         any_taken = tl.max(tl.max(take.to(tl.int32), axis=1), axis=0)
         tl.store(primary_ptr + E, any_taken, mask=any_taken > 0)
+        any_valid = tl.max(row_ok.to(tl.int32), axis=0)
+        tl.store(primary_ptr + E + 1, any_valid, mask=any_valid > 0)
 
     @triton.jit
     def _table_kernel(sim_ptr, primary_ptr, table_ptr, E, rho, HAS_RHO: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_E)
-        active = tl.load(primary_ptr + E) != 0  # no primary expert: nothing to re-route to
-        col_in = (cols < E) & active
-        primary = tl.load(primary_ptr + cols, mask=col_in, other=0) != 0
+        # a step with no valid (decode) row reads no similarity row
+        any_valid = tl.load(primary_ptr + E + 1 + cols * 0, mask=cols < E, other=0) != 0
+        primary = (tl.load(primary_ptr + cols, mask=cols < E, other=0) != 0) & any_valid
         inside = (rows[:, None] < E) & primary[None, :]
         sim = tl.load(sim_ptr + rows[:, None] * E + cols[None, :], mask=inside, other=float("-inf")).to(tl.float32)
         best_sim = tl.max(sim, axis=1)
         is_best = (sim == best_sim[:, None]) & inside
         best = tl.min(tl.where(is_best, cols[None, :], BLOCK_E), axis=1)
-        row_primary = tl.load(primary_ptr + rows, mask=(rows < E) & active, other=0) != 0
+        row_primary = tl.load(primary_ptr + rows, mask=rows < E, other=0) != 0
         keep = row_primary | (best_sim == float("-inf"))
         if HAS_RHO:
             keep = keep | (best_sim < rho)
@@ -90,7 +93,10 @@ if AVAILABLE:
         offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_range = offs < N
         e = tl.load(ids_ptr + offs, mask=in_range, other=0)
-        known = in_range & (e >= 0) & (e < E) & (tl.load(primary_ptr + E) != 0)
+        # flags [E]: any primary expert, [E + 1]: any valid row (broadcast per slot); else a copy
+        flags = tl.load(primary_ptr + E + offs * 0, mask=in_range, other=0) & tl.load(
+            primary_ptr + E + 1 + offs * 0, mask=in_range, other=0)
+        known = in_range & (e >= 0) & (e < E) & (flags != 0)
         if HAS_VALID:
             known = known & (tl.load(valid_ptr + offs // K, mask=in_range, other=0) != 0)
         new = tl.load(table_ptr + e, mask=known, other=0).to(e.dtype)
@@ -107,7 +113,8 @@ def launch(wrap, topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: 
     sim = similarity.to(torch.float32).contiguous()
     num_tokens, k = ids.shape
     num_experts = sim.shape[0]
-    primary = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)  # [E]: "any primary"
+    # [E]: experts; then flags: any primary expert, any valid row
+    primary = torch.zeros(num_experts + 2, dtype=torch.int32, device=ids.device)
     table = torch.empty(num_experts, dtype=torch.int64, device=ids.device)
     out = torch.empty_like(ids)
     # Unused pointers get any tensor of the device: the kernels never read them.

@@ -64,6 +64,7 @@ class _Engine:
         self.opted_out: set[str] = set()
         self.pending = None  # (flags: np.bool_ [n], query_start_loc [n + 1]) of the next forward
         self.any_kept = False  # host copy of kept.any(), for the CPU ops' pure-decode fast path
+        self.native = False  # the row buffers are bound to torch.ops.sere_native.engine_reroute
         self._warned: set[str] = set()
 
     def allocate(self, max_tokens: int, max_requests: int, device) -> None:
@@ -73,6 +74,10 @@ class _Engine:
         self.request_flags = torch.zeros(max_requests + 1, dtype=torch.bool, device=device)
         self.pending = None
         self.opted_out = set()
+        # The native CPU op reads these buffers itself (bound once; refresh updates them in place).
+        self.native = self.rows.device.type == "cpu" and reroute_cpu.load_engine_op()
+        if self.native:
+            torch.ops.sere_native.engine_bind_rows(self.rows, self.kept)
 
     def plan_step(self, scheduler_output, req_ids, prefilling: np.ndarray, query_start_loc: torch.Tensor) -> None:
         """This step's requests, in row order: which are re-routed (host work on the runner's

@@ -111,6 +111,13 @@ class LayerRouting:
         self.similarity = similarity
         self.stats = stats
         self.rank_by_weight = scores.bias is None  # weights are monotone in the selection score
+        # SERE on the CPU: the native op's tables (float32 similarity, sorted candidates)
+        self.native = None
+        if plan.policy == "sere" and similarity is not None and similarity.device.type == "cpu":
+            from sere_fx.kernels import reroute_cpu
+
+            if reroute_cpu.fits(num_experts, 64):
+                self.native = reroute_cpu.candidates(similarity)
 
     def __call__(self, router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         plan = self.plan
@@ -120,8 +127,12 @@ class LayerRouting:
             rank = self.scores.selection(router_logits).gather(1, ids.long().clamp(0, self.num_experts - 1))
         new_weights = weights
         if plan.policy == "sere":
-            # The hot path: one opaque op, which looks this step's rows up itself.
-            new_ids = torch.ops.sere.engine_reroute(ids, self.similarity, plan.S, plan.rho, rank)
+            # The hot path: one opaque op, which looks this step's rows up itself; on the CPU a
+            # native one, called from vLLM's compiled graph without a Python frame.
+            if self.native is not None and ids.shape[1] <= 64 and _engine().ENGINE.native:
+                new_ids = torch.ops.sere_native.engine_reroute(ids, *self.native, plan.S, plan.rho, rank)
+            else:
+                new_ids = torch.ops.sere.engine_reroute(ids, self.similarity, plan.S, plan.rho, rank)
             if not self.stats:
                 return weights, new_ids
             rows, _ = torch.ops.sere.engine_rows(ids, self.num_experts)
@@ -154,6 +165,12 @@ class LayerRouting:
         keep = rows.unsqueeze(1)
         recomputed = self.scores.weights(router_logits, chosen, values != neutral, probs).to(weights.dtype)
         return torch.where(keep, recomputed, weights), torch.where(keep, chosen.to(ids.dtype), ids)
+
+
+def _engine():
+    from sere_fx.vllm import engine  # imported here: engine imports this module
+
+    return engine
 
 
 _SUBCLASSES: dict[type, type] = {}
