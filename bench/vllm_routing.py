@@ -4,9 +4,10 @@
 
 Times, in one process with one thread (as a vLLM CPU worker runs): the router alone
 (``CPURouter._compute_routing``, the baseline), the router with each policy installed, and
-the engine ops alone (``sere.engine_reroute``: the SERE step's one op; ``sere.engine_rows``: the
-row mask the other policies read) and ``sere.reroute`` as a plain eager call. Reports median
-and [p10, p90] of 15 batches of ``--repeats`` calls each; all rows are decode rows. These are
+the engine ops alone (``sere_native.engine_reroute``: the SERE step's op on the CPU;
+``sere.engine_reroute``: its Python op, used where the native one cannot be built;
+``sere.engine_rows``: the row mask the other policies read) and ``sere.reroute`` as a plain
+eager call. Reports median and [p10, p90] of 15 batches of ``--repeats`` calls each; all rows are decode rows. These are
 warm-cache figures: inside an engine, between two layers' big matrix products, each call
 starts with cold caches and costs more (see bench/RESULTS.md).
 """
@@ -84,6 +85,12 @@ def main(argv=None) -> dict:
     results["engine_rows op"] = timed(lambda: torch.ops.sere.engine_rows(ids, E), args.repeats)
     results["engine_reroute op"] = timed(lambda: torch.ops.sere.engine_reroute(ids, sim, args.S, 0.0, weights),
                                          args.repeats)
+    from sere_fx.kernels import reroute_cpu
+
+    if engine.ENGINE.native:  # the SERE step the plugin runs on the CPU (router+sere calls it too)
+        sim32, cand = reroute_cpu.candidates(sim)
+        native = torch.ops.sere_native.engine_reroute.default
+        results["engine_reroute native op"] = timed(lambda: native(ids, sim32, cand, args.S, 0.0, weights), args.repeats)
     results["reroute op"] = timed(lambda: torch.ops.sere.reroute(ids, sim, args.S, 0.0, weights, rows), args.repeats)
     base = results["router"]["median_us"]
     print(f"T={T} E={E} K={K} S={args.S}, 1 thread; per layer call, median [p10, p90] in us")

@@ -24,8 +24,11 @@ Beside every ratio, three limits (what cutting expert reads could give at most):
 - **kernel**: vLLM's own fused-MoE CPU op (``_C.cpu_fused_moe``, the kernel the engine runs),
   timed here at the point's batch with the measured distinct counts before and after: the
   MoE layer's own speed-up (the kernel has a fixed cost that does not shrink with experts);
-- **end-to-end** (Amdahl): plain TPOT = non-MoE time + layers x kernel(before); the limit is
-  plain TPOT / (plain TPOT - layers x (kernel(before) - kernel(after))).
+- **end-to-end** (Amdahl): a plain decode step = non-MoE time + layers x MoE(before), both
+  measured inside the plain engine at that batch (``--step-profile``: the results of
+  ``bench/vllm_step_profile.py``; without one, plain TPOT and the standalone kernel time), and
+  MoE(after) = MoE(before) x kernel(after) / kernel(before); the limit is
+  step / (non-MoE time + layers x MoE(after)).
 
 Efficiency = measured TPOT ratio / limit. Figures and plots: ``--out`` (JSON) and its
 ``.png`` (TPOT against concurrency; throughput against TPOT; one line per policy).
@@ -345,6 +348,10 @@ def summarize(args, config, runs, counts, points, datasets) -> dict:
             kernel_cache[key] = moe_kernel_us(config, tokens, distinct)
         return kernel_cache[key]
 
+    engine_moe = {}  # batch -> fused-MoE us per layer call inside the plain engine (bench/vllm_step_profile.py)
+    if getattr(args, "step_profile", None):
+        for batch, r in json.load(open(args.step_profile))["policies"].get("plain", {}).items():
+            engine_moe[int(batch)] = (r["moe_us_per_layer_call"], r["step_us"])
     table = {}
     for name, per_point in runs.items():
         table[name] = {}
@@ -365,10 +372,17 @@ def summarize(args, config, runs, counts, points, datasets) -> dict:
                 row["kernel_us"] = [k_before, k_after]
                 row["limit_kernel"] = k_before / k_after
                 if plain:
-                    step = statistics.median(p["mean_tpot_ms"] for p in plain) * 1e3
-                    saved = layers * (k_before - k_after)
-                    row["non_moe_us"] = step - layers * k_before
-                    row["limit_e2e"] = step / max(step - saved, 1e-9)
+                    # The plain engine's decode step and its MoE time per layer call, profiled at this
+                    # batch where a step profile has it (a standalone kernel call misses the
+                    # engine's cache and memory contention), else plain TPOT and the standalone
+                    # kernel; MoE after = before x the kernel ratio
+                    profiled = tokens in engine_moe
+                    m_before, step = engine_moe[tokens] if profiled else (
+                        k_before, statistics.median(p["mean_tpot_ms"] for p in plain) * 1e3)
+                    m_after = m_before * k_after / k_before
+                    row["moe_us"], row["moe_from"] = [m_before, m_after], "profile" if profiled else "kernel"
+                    row["non_moe_us"] = step - layers * m_before
+                    row["limit_e2e"] = step / max(step - layers * (m_before - m_after), 1e-9)
                     if "tpot_ratio" in row:
                         row["efficiency_kernel"] = row["tpot_ratio"] / row["limit_kernel"]
                         row["efficiency_e2e"] = row["tpot_ratio"] / row["limit_e2e"]
@@ -503,6 +517,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sim", default=None, help="similarity file (default: calibrated / random, see vllm_children)")
     p.add_argument("--out", default=None, help="results JSON; the plot goes beside it (.png)")
     p.add_argument("--markdown", default=None, metavar="JSON", help="print an earlier run's tables as Markdown, and stop")
+    p.add_argument("--step-profile", default=None, metavar="JSON",
+                   help="bench/vllm_step_profile.py results of this model: in-engine MoE time for the end-to-end limit")
     p.add_argument("--recount", default=None, metavar="JSON",
                    help="count an earlier run's distinct experts again (its timings stay; rewrites it), and stop")
     p.add_argument("--summarize", default=None, metavar="JSON",
@@ -527,7 +543,7 @@ def main(argv=None) -> dict:
         args.summarize = args.recount
     if args.summarize:  # recompute the limits and tables of an earlier run from its raw figures
         old = json.load(open(args.summarize))
-        saved = argparse.Namespace(**old["config"])
+        saved = argparse.Namespace(**{**old["config"], "step_profile": args.step_profile})
         results = summarize(saved, old["model_config"], old["runs"], old["counts"], load_points(saved),
                             list(dict.fromkeys(k.split("/")[0] for k in old["points"])))
         report(results)
