@@ -14,7 +14,9 @@
   that did not opt out; every real row with ``decode_only: false``) and *kept rows* (the other
   real rows, whose experts are read anyway and so are free for the re-routed ones). A forward
   with no planned step (profiling, CUDA-graph capture, a draft model's pass) has neither.
-- ``torch.ops.sere.engine_reroute`` (SERE's whole step: the op's rule on this step's rows) and
+- ``torch.ops.sere.engine_reroute`` (SERE's whole step: the op's rule on this step's rows; on
+  the CPU the native ``torch.ops.sere_native.engine_reroute``, which ``allocate`` binds to the
+  row buffers, replaces it) and
   ``torch.ops.sere.engine_rows`` (the re-routed rows and the experts the kept rows read, for
   the other policies) read them.
   Both are opaque ops, so Dynamo does not freeze the masks of the step it traced; the buffers
