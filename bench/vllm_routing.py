@@ -6,7 +6,7 @@ Times, in one process with one thread (as a vLLM CPU worker runs): the router al
 (``CPURouter._compute_routing``, the baseline), the router with each policy installed, and
 the engine ops alone (``sere_native.engine_reroute``: the SERE step's op on the CPU;
 ``sere.engine_reroute``: its Python op, used where the native one cannot be built;
-``sere.engine_rows``: the row mask the other policies read) and ``sere.reroute`` as a plain
+``sere.engine_rows``: the row mask the other policies read, and its native op) and ``sere.reroute`` as a plain
 eager call. Reports median and [p10, p90] of 15 batches of ``--repeats`` calls each; all rows are decode rows. These are
 warm-cache figures: inside an engine, between two layers' big matrix products, each call
 starts with cold caches and costs more (see bench/RESULTS.md).
@@ -91,6 +91,8 @@ def main(argv=None) -> dict:
         sim32, cand = reroute_cpu.candidates(sim)
         native = torch.ops.sere_native.engine_reroute.default
         results["engine_reroute native op"] = timed(lambda: native(ids, sim32, cand, args.S, 0.0, weights), args.repeats)
+        rows_native = torch.ops.sere_native.engine_rows.default
+        results["engine_rows native op"] = timed(lambda: rows_native(ids, E), args.repeats)
     results["reroute op"] = timed(lambda: torch.ops.sere.reroute(ids, sim, args.S, 0.0, weights, rows), args.repeats)
     base = results["router"]["median_us"]
     print(f"T={T} E={E} K={K} S={args.S}, 1 thread; per layer call, median [p10, p90] in us")

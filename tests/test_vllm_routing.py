@@ -89,13 +89,22 @@ def masks(n):
     return engine._mask(engine.ENGINE.rows, ids).clone(), engine._mask(engine.ENGINE.kept, ids).clone()
 
 
-def test_engine_rows_op_gives_rows_and_the_kept_rows_experts(engine_state):
+@pytest.mark.parametrize("op", ["python", "native"])
+def test_engine_rows_op_gives_rows_and_the_kept_rows_experts(engine_state, op):
+    # the native op (what the plugin calls on the CPU) and the Python one, against plain sets
+    assert engine_state.native, "the native engine ops must build on CI machines"
+    engine_rows = torch.ops.sere.engine_rows if op == "python" else torch.ops.sere_native.engine_rows
     ids = torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(4))
-    rows, free = torch.ops.sere.engine_rows(ids, E)
-    assert torch.equal(rows, DECODE_ROWS)
-    assert free.tolist() == [e in {int(x) for t in range(T) if not DECODE_ROWS[t] for x in ids[t]} for e in range(E)]
+    ids[3, 0], ids[5, 1] = -1, E + 2  # prompt rows' padding / outside ids count for nothing
+    for dtype in (torch.int64, torch.int32):
+        rows, free = engine_rows(ids.to(dtype), E)
+        assert torch.equal(rows, DECODE_ROWS)
+        kept = {int(x) for t in range(T) if not DECODE_ROWS[t] for x in ids[t] if 0 <= x < E}
+        assert free.tolist() == [e in kept for e in range(E)]
+    rows, free = engine_rows(torch.zeros(65, K, dtype=torch.int64), E)  # more rows than the buffers: none
+    assert not rows.any() and not free.any()
     plan(engine_state, ["a"], [False], [T])  # one request, all rows decode rows: nothing free
-    rows, free = torch.ops.sere.engine_rows(ids, E)
+    rows, free = engine_rows(ids, E)
     assert rows.all() and not free.any()
 
 

@@ -1,13 +1,16 @@
-// The vLLM plugin's SERE step as a native CPU kernel of sere::engine_reroute (see
-// sere_fx/vllm/engine.py): the same C kernel as sere.reroute's CPU path (reroute.c), called by
-// the dispatcher straight from vLLM's compiled graph, with no Python frame and no ctypes
-// marshalling. Inside an engine every call starts with caches that the layers' matrix products
+// The vLLM plugin's per-layer ops as native CPU kernels (see sere_fx/vllm/engine.py): SERE's
+// step (sere_native::engine_reroute, the same C kernel as sere.reroute's CPU path, reroute.c)
+// and the top-k policies' row lookup (sere_native::engine_rows), called by the dispatcher
+// straight from vLLM's compiled graph, with no Python frame and no ctypes marshalling. Inside an engine every call starts with caches that the layers' matrix products
 // flushed, and there each Python-level step costs several times its warm figure.
 //
 // The engine's persistent row buffers (bool [max_tokens]: re-routed rows, kept rows) are bound
 // once with sere::engine_bind_rows; a call reads their first T entries.
 #include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include <cstring>
+#include <tuple>
 
 extern "C" {
 #include "reroute.c"
@@ -55,15 +58,47 @@ at::Tensor engine_reroute(const at::Tensor& topk_ids, const at::Tensor& similari
   return out;
 }
 
+template <typename T>
+void mark_experts(const T* ids, int64_t t, int64_t k, int64_t e, const uint8_t* kept, bool* free) {
+  for (int64_t i = 0; i < t; ++i) {
+    if (!kept[i]) continue;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t x = (int64_t)ids[i * k + j];
+      if (x >= 0 && x < e) free[x] = true;
+    }
+  }
+}
+
+// The top-k policies' row lookup (sere::engine_rows): this step's re-routed rows, and the
+// experts the kept rows read anyway (every slot of them; ids outside [0, E) count for nothing).
+std::tuple<at::Tensor, at::Tensor> engine_rows(const at::Tensor& topk_ids, int64_t num_experts) {
+  const int64_t t = topk_ids.size(0), k = topk_ids.size(1);
+  at::Tensor rows = at::zeros({t}, topk_ids.options().dtype(at::kBool));
+  at::Tensor free = at::zeros({num_experts}, topk_ids.options().dtype(at::kBool));
+  if (!g_rows.defined() || t > g_rows.numel()) return {rows, free};  // outside an engine step
+  std::memcpy(rows.data_ptr<bool>(), g_rows.data_ptr<bool>(), (size_t)t);
+  const uint8_t* kept = reinterpret_cast<const uint8_t*>(g_kept.data_ptr<bool>());
+  at::Tensor ids = topk_ids.contiguous();
+  if (ids.scalar_type() == at::kInt) {
+    mark_experts(ids.data_ptr<int32_t>(), t, k, num_experts, kept, free.data_ptr<bool>());
+  } else {
+    TORCH_CHECK(ids.scalar_type() == at::kLong, "engine_rows: topk_ids must be int32 or int64");
+    mark_experts(ids.data_ptr<int64_t>(), t, k, num_experts, kept, free.data_ptr<bool>());
+  }
+  return {rows, free};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sere_native, m) {
   m.def("engine_bind_rows(Tensor rows, Tensor kept) -> ()");
   m.def("engine_reroute(Tensor topk_ids, Tensor similarity, Tensor candidates, int S, float rho, "
         "Tensor rank_values) -> Tensor");
+  m.def("engine_rows(Tensor topk_ids, int num_experts) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(sere_native, CPU, m) {
   m.impl("engine_bind_rows", bind_rows);
   m.impl("engine_reroute", engine_reroute);
+  m.impl("engine_rows", engine_rows);
 }

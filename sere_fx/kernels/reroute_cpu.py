@@ -149,9 +149,9 @@ def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float
 
 
 # --- the engine's native op ------------------------------------------------------------------
-# ``engine_op.cpp``: the vLLM plugin's SERE step as a CPU kernel of its own op
-# (``torch.ops.sere_native.engine_reroute``), dispatched from vLLM's compiled graph without a
-# Python frame. A PyTorch C++ extension, built once per torch version with
+# ``engine_op.cpp``: the vLLM plugin's per-layer ops as CPU kernels of their own
+# (``torch.ops.sere_native.engine_reroute`` / ``engine_rows``), dispatched from vLLM's compiled
+# graph without a Python frame. A PyTorch C++ extension, built once per torch version with
 # ``torch.utils.cpp_extension`` (~1 minute; cached in ``$TORCH_EXTENSIONS_DIR``).
 _NATIVE: bool | None = None
 
@@ -171,6 +171,11 @@ def load_engine_op() -> bool:
             @torch.library.register_fake("sere_native::engine_reroute")
             def _(topk_ids, similarity, candidates, S, rho, rank_values):
                 return torch.empty_like(topk_ids)
+
+            @torch.library.register_fake("sere_native::engine_rows")
+            def _(topk_ids, num_experts):
+                return (topk_ids.new_empty(topk_ids.shape[0], dtype=torch.bool),
+                        topk_ids.new_empty(num_experts, dtype=torch.bool))
 
             _NATIVE = True
         except Exception as exc:  # no compiler, no ninja, headers missing: the Python op serves

@@ -135,10 +135,10 @@ class LayerRouting:
                 new_ids = torch.ops.sere.engine_reroute(ids, self.similarity, plan.S, plan.rho, rank)
             if not self.stats:
                 return weights, new_ids
-            rows, _ = torch.ops.sere.engine_rows(ids, self.num_experts)
+            rows, _ = self._engine_rows(ids)
         else:
             # free: experts the kept rows read anyway (``topk`` keeps each token's own top-S, uses none)
-            rows, free = torch.ops.sere.engine_rows(ids, self.num_experts)
+            rows, free = self._engine_rows(ids)
             if plan.policy in INDEX_POLICIES:  # the ablations
                 new_ids = ablation_reroute(ids, self.similarity, plan.S, plan.rho, plan.policy,
                                            rank_values=rank, valid_rows=rows, free=free)
@@ -147,6 +147,12 @@ class LayerRouting:
         if self.stats:
             new_ids = torch.ops.sere.record_routing(ids, new_ids, rank, rows, self.layer, plan.S, self.num_experts)
         return new_weights, new_ids
+
+    def _engine_rows(self, ids):
+        # the native op on the CPU (vLLM's graph calls it without a Python frame), else the Python one
+        if ids.device.type == "cpu" and _engine().ENGINE.native:
+            return torch.ops.sere_native.engine_rows(ids, self.num_experts)
+        return torch.ops.sere.engine_rows(ids, self.num_experts)
 
     def _topk_policy(self, router_logits, weights, ids, rows, free):
         """``oea`` / ``weight`` / ``topk`` over the router's selection scores, with the router's own
