@@ -280,8 +280,10 @@ def main(args) -> int:
         with open(args.out) as f:
             plot(json.load(f), os.path.splitext(args.out)[0] + ".png")
         return 0
+    # Made before the grid runs, so a run cannot end by failing to write (a bare file name has
+    # no directory part: its folder is the working directory).
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     result = run(args)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     plot(result, os.path.splitext(args.out)[0] + ".png")

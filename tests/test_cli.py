@@ -231,3 +231,16 @@ def test_readme_tune_and_eval_commands(tmp_path, capsys, monkeypatch):
     assert weight["settings"]["layers"]["0"] == {"policy": "weight", "S": 1, "rho": None, "N": 0.6}
     assert re.search(r"^weight:S=1,N=0.6 vs oea:S=2: accuracy ratio .* \(paired bootstrap, 95%\)$", out, re.M), out
     assert re.search(r"^plan:plan.json vs oea:S=2: accuracy ratio ", out, re.M), out
+
+
+def test_bench_writes_a_bare_out_file_name(tmp_path, capsys, monkeypatch):
+    # `--out r.json` has no directory part; it used to fail on os.makedirs('') after the whole grid
+    from sere_fx import layer_bench
+
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    monkeypatch.setattr(layer_bench, "run", lambda args: ran.append(args.out) or {"rows": []})
+    monkeypatch.setattr(layer_bench, "plot", lambda result, path: open(path, "w").close())
+    assert main(["bench", "--quick", "--out", "r.json"]) == 0
+    assert ran == ["r.json"]
+    assert (tmp_path / "r.json").read_text().strip().startswith("{") and (tmp_path / "r.png").exists()
