@@ -2,7 +2,8 @@
 written locally), their similarity files, and each setting's engine run in its own child
 process (so engines' memory and plugin state stay apart).
 
-A benchmark script ``S`` calls ``run_settings(S, settings, spec)``; for each setting it writes
+A benchmark script ``S`` parses its arguments with ``parse_common`` and calls
+``run_settings(S, settings, spec)``; for each setting it writes
 ``{**spec, "sere": ..., "out": ...}`` to a file and runs ``python S --child FILE``, whose
 ``one_engine(spec)`` result the child writes to ``spec["out"]``.
 """
@@ -114,11 +115,22 @@ def run_settings(script: str, settings: dict, spec: dict, env: dict | None = Non
     return results
 
 
-def add_common_arguments(parser) -> None:
-    """``--sim``, ``--out`` and the hidden ``--child`` that ``run_settings`` passes."""
+def parse_common(parser, one_engine, argv=None):
+    """Add ``--sim``, ``--out`` and the hidden ``--child`` that ``run_settings`` passes, and parse.
+    In a child process (``--child``) run ``one_engine`` on its spec and return None; else the args."""
     parser.add_argument("--sim", default=None, help="similarity file (default: calibrated here on the public text)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(one_engine, args.child)
+        return None
+    return args
+
+
+def config_of(args) -> dict:
+    """The run's settings for its results file (without the internal ``--child``)."""
+    return {k: v for k, v in vars(args).items() if k != "child"}
 
 
 def write_results(path: str | None, results: dict) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from vllm_children import (TESTBED, TESTBED_MODEL, add_common_arguments, child, run_settings, testbed_similarity,
+from vllm_children import (TESTBED, TESTBED_MODEL, config_of, parse_common, run_settings, testbed_similarity,
                            write_results)
 
 SETTINGS = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2}}
@@ -60,15 +60,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--code", default=None, help="another sere-fx source tree to run the engines on")
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.child:
-        child(one_engine, args.child)
+    args = parse_common(parser, one_engine, argv)
+    if args is None:  # a child process: its engine ran
         return {}
     spec = {"model": TESTBED_MODEL, "sim": testbed_similarity(args.sim), "prompts": args.prompts,
             "new_tokens": args.new_tokens}
     env = {"PYTHONPATH": os.path.abspath(args.code) + os.pathsep + os.environ.get("PYTHONPATH", "")} if args.code else None
-    results = {"config": {k: v for k, v in vars(args).items() if k != "child"},
+    results = {"config": config_of(args),
                **run_settings(__file__, SETTINGS, spec, env)}
     reference = results["plain"].pop("tokens")
     print(f"{args.prompts} prompts of 32-224 tokens, {args.new_tokens} new tokens, 128-token steps, test-bed")

@@ -243,6 +243,22 @@ def point_key(dataset: str, point: dict) -> str:
     return f"{dataset}/c={point['concurrency']}" if point["concurrency"] else f"{dataset}/rate={point['rate']:g}"
 
 
+SCRATCH = os.path.join(HERE, "results", ".serve")  # server logs, the text dataset
+
+
+def datasets_for(args, model: str, build: bool) -> dict:
+    """``{dataset: JSONL path or None}`` for ``args.datasets``; the text dataset's file is written
+    when ``build``, else an earlier run's is reused."""
+    path = os.path.join(SCRATCH, "text.jsonl")
+    if build and "text" in args.datasets:
+        text_dataset(path, model, args.input_len, max(prompts_for(args, p) for p in load_points(args)))
+    return {name: path if name == "text" else None for name in ("random", "text") if name in args.datasets}
+
+
+def max_seqs_for(args) -> int:
+    return max(64, *args.concurrency)
+
+
 def settings_for(args, sim: str) -> dict:
     out = {}
     for name in args.policies:
@@ -260,16 +276,11 @@ def settings_for(args, sim: str) -> dict:
 def run(args) -> dict:
     model, sim = model_and_similarity(args.model, args.cache, args.layers, args.sim)
     config = json.load(open(os.path.join(model, "config.json")))
-    scratch = os.path.join(HERE, "results", ".serve")
-    os.makedirs(scratch, exist_ok=True)
-    datasets = {"random": None}
-    if "text" in args.datasets:
-        datasets["text"] = text_dataset(os.path.join(scratch, "text.jsonl"), model, args.input_len,
-                                        max(prompts_for(args, p) for p in load_points(args)))
-    datasets = {k: v for k, v in datasets.items() if k in args.datasets}
+    os.makedirs(SCRATCH, exist_ok=True)
+    datasets = datasets_for(args, model, build=True)
     settings = settings_for(args, sim)
     points = load_points(args)
-    max_seqs = max(64, *[c for c in args.concurrency])
+    max_seqs = max_seqs_for(args)
     runs: dict[str, dict[str, list[dict]]] = {name: {} for name in settings}
     names = list(settings)
     total = args.repeats * len(names)
@@ -280,7 +291,7 @@ def run(args) -> dict:
             n = r * len(names) + i + 1
             print(f"[{n}/{total}, {time.time() - started:.0f} s] round {r + 1}: {name}: starting the server ...",
                   flush=True)
-            server = Server(model, settings[name], max_seqs, os.path.join(scratch, f"{name}.log"))
+            server = Server(model, settings[name], max_seqs, os.path.join(SCRATCH, f"{name}.log"))
             try:
                 for dname, path in datasets.items():
                     client(server.port, model, (dname, path), args.input_len, args.output_len, 8, 8, None)  # warm-up
@@ -292,7 +303,7 @@ def run(args) -> dict:
                               f"{res['output_throughput']:8.1f} tok/s", flush=True)
             finally:
                 server.stop()
-    counts = {} if args.no_counts else count_experts(model, settings, datasets, points, args, scratch, max_seqs)
+    counts = {} if args.no_counts else count_experts(model, settings, datasets, points, args, max_seqs)
     return summarize(args, config, runs, counts, points, datasets)
 
 
@@ -310,7 +321,7 @@ def settled_counts(server: Server, timeout_s: float = 15.0) -> tuple[float, floa
     raise RuntimeError(f"the routing counters did not settle within {timeout_s:.0f} s; see {server.log}")
 
 
-def count_experts(model, settings, datasets, points, args, scratch, max_seqs) -> dict:
+def count_experts(model, settings, datasets, points, args, max_seqs) -> dict:
     """``{policy: {point: {"before", "after"}}}``: distinct experts per MoE layer per decode step,
     from a server per policy with ``"stats": true`` (not timed), each point run once."""
     counts = {}
@@ -318,7 +329,7 @@ def count_experts(model, settings, datasets, points, args, scratch, max_seqs) ->
         if sere is None:
             continue
         print(f"{name}: counting distinct experts (a server with stats on, not timed) ...", flush=True)
-        server = Server(model, {**sere, "stats": True}, max_seqs, os.path.join(scratch, f"{name}.stats.log"))
+        server = Server(model, {**sere, "stats": True}, max_seqs, os.path.join(SCRATCH, f"{name}.stats.log"))
         try:
             counts[name] = {}
             for dname, path in datasets.items():
@@ -531,13 +542,8 @@ def main(argv=None) -> dict:
         old = json.load(open(args.recount))
         saved = argparse.Namespace(**old["config"])
         model, sim = model_and_similarity(saved.model, saved.cache, saved.layers, saved.sim)
-        scratch = os.path.join(HERE, "results", ".serve")
-        datasets = {"random": None}
-        if "text" in saved.datasets:
-            datasets["text"] = os.path.join(scratch, "text.jsonl")
-        datasets = {k: v for k, v in datasets.items() if k in saved.datasets}
-        old["counts"] = count_experts(model, settings_for(saved, sim), datasets, load_points(saved), saved, scratch,
-                                      max(64, *saved.concurrency))
+        old["counts"] = count_experts(model, settings_for(saved, sim), datasets_for(saved, model, build=False),
+                                      load_points(saved), saved, max_seqs_for(saved))
         with open(args.recount, "w") as f:
             json.dump(old, f, indent=1)
         args.summarize = args.recount

@@ -19,7 +19,7 @@ import argparse
 import os
 import time
 
-from vllm_children import (TESTBED, TESTBED_MODEL, add_common_arguments, child, run_settings, testbed_similarity,
+from vllm_children import (TESTBED, TESTBED_MODEL, config_of, parse_common, run_settings, testbed_similarity,
                            write_results)
 
 SETTINGS = {"plain": None, "reroute": {"S": 2, "rho": 0.0}, "keep": {"S": 2, "rho": 0.0, "spec_decode": "keep"}}
@@ -70,14 +70,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step")
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.child:
-        child(one_engine, args.child)
+    args = parse_common(parser, one_engine, argv)
+    if args is None:  # a child process: its engine ran
         return {}
     spec = {"model": TESTBED_MODEL, "sim": testbed_similarity(args.sim), "prompts": args.prompts,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "k": args.k}
-    results = {"config": {k: v for k, v in vars(args).items() if k != "child"},
+    results = {"config": config_of(args),
                **run_settings(__file__, SETTINGS, spec)}
     plain_tokens = results["plain"]["tokens"]
     print(f"ngram k={args.k}, {args.prompts} prompts x {args.new_tokens} tokens, test-bed, 2-core CPU")

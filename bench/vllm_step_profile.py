@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_children import (MODELS, add_common_arguments, child, model_and_similarity, run_settings,  # noqa: E402
+from vllm_children import (MODELS, config_of, model_and_similarity, parse_common, run_settings,  # noqa: E402
                            write_results)
 
 POLICIES = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2},
@@ -87,10 +87,9 @@ def main(argv=None) -> dict:
     p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     p.add_argument("--cache", default="/tmp/sere-bench", help="where a generated model goes")
     p.add_argument("--top", type=int, default=0, help="also print the N most expensive ops of each engine")
-    add_common_arguments(p)
-    args = p.parse_args(argv)
-    if args.child:
-        return child(one_engine, args.child)
+    args = parse_common(p, one_engine, argv)
+    if args is None:  # a child process: its engine ran
+        return {}
     model, sim = model_and_similarity(args.model, args.cache, args.layers, args.sim)
     layers = json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"]
     settings = {}
@@ -103,7 +102,7 @@ def main(argv=None) -> dict:
                        {"model": model, "batches": args.batches, "warmup": args.warmup, "tokens": args.tokens},
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     steps = args.warmup + args.tokens  # decode steps in the profiled pass (one prefill step besides)
-    results = {"config": vars(args), "policies": {}}
+    results = {"config": config_of(args), "policies": {}}
     for batch in map(str, args.batches):
         print(f"{args.model}, batch {batch}: per MoE layer call (profiled) and per step, us")
         for name, per_batch in raw.items():

@@ -1,11 +1,12 @@
 // The vLLM plugin's per-layer ops as native CPU kernels (see sere_fx/vllm/engine.py): SERE's
 // step (sere_native::engine_reroute, the same C kernel as sere.reroute's CPU path, reroute.c)
 // and the top-k policies' row lookup (sere_native::engine_rows), called by the dispatcher
-// straight from vLLM's compiled graph, with no Python frame and no ctypes marshalling. Inside an engine every call starts with caches that the layers' matrix products
-// flushed, and there each Python-level step costs several times its warm figure.
+// straight from vLLM's compiled graph, with no Python frame and no ctypes marshalling. Inside an
+// engine every call starts with caches that the layers' matrix products flushed, and there each
+// Python-level step costs several times its warm figure.
 //
 // The engine's persistent row buffers (bool [max_tokens]: re-routed rows, kept rows) are bound
-// once with sere::engine_bind_rows; a call reads their first T entries.
+// once with sere_native::engine_bind_rows; a call reads their first T entries.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -69,7 +70,7 @@ void mark_experts(const T* ids, int64_t t, int64_t k, int64_t e, const uint8_t* 
   }
 }
 
-// The top-k policies' row lookup (sere::engine_rows): this step's re-routed rows, and the
+// The top-k policies' row lookup (sere::engine_rows' twin): this step's re-routed rows, and the
 // experts the kept rows read anyway (every slot of them; ids outside [0, E) count for nothing).
 std::tuple<at::Tensor, at::Tensor> engine_rows(const at::Tensor& topk_ids, int64_t num_experts) {
   const int64_t t = topk_ids.size(0), k = topk_ids.size(1);

@@ -5,8 +5,8 @@
  * thousand operations; what costs is overhead. This kernel does it in one pass with no
  * allocation beyond two E-sized stack arrays:
  *   1. primary[e]: experts among each valid row's S best-ranked slots (descending rank value,
- *      ties to the lower slot; K <= 64), and every expert of a free
- *      row (free rows that are also valid count as valid);
+ *      ties to the lower slot; K <= MAX_SLOTS), and every expert of a free row (free rows
+ *      that are also valid count as valid);
  *   2. per slot of a valid row whose expert e is not primary: the remap table entry of e, made
  *      on first use: the first primary expert in e's candidates (all experts sorted by
  *      similarity to e, descending, ties to the lower index: so the first primary one is
@@ -19,12 +19,13 @@
 #include <string.h>
 
 #define MAX_EXPERTS 8192
+#define MAX_SLOTS 64 /* the slots taken so far fit one 64-bit mask */
 
 #define DEFINE_REROUTE(NAME, ID_T)                                                              \
 int NAME(const ID_T *ids, ID_T *out, int64_t T, int64_t K, int64_t E, int64_t S,             \
          const float *sim, const int32_t *cand, float rho, const float *rank,                 \
          const uint8_t *valid, const uint8_t *free_rows) {                                     \
-    if (E > MAX_EXPERTS || K > 64) return -1;                                                            \
+    if (E > MAX_EXPERTS || K > MAX_SLOTS) return -1;                                           \
     uint8_t primary[MAX_EXPERTS];                                                              \
     int32_t table[MAX_EXPERTS];                                                                \
     memset(primary, 0, (size_t)E);                                                             \
@@ -82,4 +83,4 @@ DEFINE_REROUTE(sere_reroute_i32, int32_t)
 DEFINE_REROUTE(sere_reroute_i64, int64_t)
 
 int sere_max_experts(void) { return MAX_EXPERTS; }
-int sere_max_slots(void) { return 64; }
+int sere_max_slots(void) { return MAX_SLOTS; }

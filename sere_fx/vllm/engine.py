@@ -14,11 +14,10 @@
   that did not opt out; every real row with ``decode_only: false``) and *kept rows* (the other
   real rows, whose experts are read anyway and so are free for the re-routed ones). A forward
   with no planned step (profiling, CUDA-graph capture, a draft model's pass) has neither.
-- ``torch.ops.sere.engine_reroute`` (SERE's whole step: the op's rule on this step's rows; on
-  the CPU the native ``torch.ops.sere_native.engine_reroute``, which ``allocate`` binds to the
-  row buffers, replaces it) and
+- ``torch.ops.sere.engine_reroute`` (SERE's whole step: the op's rule on this step's rows) and
   ``torch.ops.sere.engine_rows`` (the re-routed rows and the experts the kept rows read, for
-  the other policies) read them.
+  the other policies) read them. On the CPU their native twins in ``torch.ops.sere_native``
+  (``kernels/engine_op.cpp``), whose buffers ``allocate`` binds, replace them.
   Both are opaque ops, so Dynamo does not freeze the masks of the step it traced; the buffers
   are persistent and updated by device ops only, so a CUDA-graph replay sees the current step.
 - ``torch.ops.sere.record_routing`` (only when ``stats`` is set) adds per-layer counters on
@@ -66,7 +65,7 @@ class _Engine:
         self.opted_out: set[str] = set()
         self.pending = None  # (flags: np.bool_ [n], query_start_loc [n + 1]) of the next forward
         self.any_kept = False  # host copy of kept.any(), for the CPU ops' pure-decode fast path
-        self.native = False  # the row buffers are bound to torch.ops.sere_native.engine_reroute
+        self.native = False  # the row buffers are bound to the torch.ops.sere_native ops
         self._warned: set[str] = set()
 
     def allocate(self, max_tokens: int, max_requests: int, device) -> None:

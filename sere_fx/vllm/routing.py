@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sere_fx.kernels import reroute_cpu
 from sere_fx.plan import LayerPlan
 from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select, weight_select
 
@@ -113,11 +114,10 @@ class LayerRouting:
         self.rank_by_weight = scores.bias is None  # weights are monotone in the selection score
         # SERE on the CPU: the native op's tables (float32 similarity, sorted candidates)
         self.native = None
-        if plan.policy == "sere" and similarity is not None and similarity.device.type == "cpu":
-            from sere_fx.kernels import reroute_cpu
-
-            if reroute_cpu.fits(num_experts, 64):
-                self.native = reroute_cpu.candidates(similarity)
+        # (``fits`` loads the C kernel here, eagerly: the call below is traced by Dynamo)
+        if (plan.policy == "sere" and similarity is not None and similarity.device.type == "cpu"
+                and reroute_cpu.fits(num_experts, 1)):
+            self.native = reroute_cpu.candidates(similarity)
 
     def __call__(self, router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         plan = self.plan
@@ -129,7 +129,8 @@ class LayerRouting:
         if plan.policy == "sere":
             # The hot path: one opaque op, which looks this step's rows up itself; on the CPU a
             # native one, called from vLLM's compiled graph without a Python frame.
-            if self.native is not None and ids.shape[1] <= 64 and _engine().ENGINE.native:
+            if (self.native is not None and _engine().ENGINE.native
+                    and reroute_cpu.fits(self.num_experts, ids.shape[1])):
                 new_ids = torch.ops.sere_native.engine_reroute(ids, *self.native, plan.S, plan.rho, rank)
             else:
                 new_ids = torch.ops.sere.engine_reroute(ids, self.similarity, plan.S, plan.rho, rank)
@@ -149,8 +150,8 @@ class LayerRouting:
         return new_weights, new_ids
 
     def _engine_rows(self, ids):
-        # the native op on the CPU (vLLM's graph calls it without a Python frame), else the Python one
-        if ids.device.type == "cpu" and _engine().ENGINE.native:
+        # the native op in a CPU engine (vLLM's graph calls it without a Python frame), else the Python one
+        if _engine().ENGINE.native:
             return torch.ops.sere_native.engine_rows(ids, self.num_experts)
         return torch.ops.sere.engine_rows(ids, self.num_experts)
 
