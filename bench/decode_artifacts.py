@@ -38,7 +38,7 @@ def main() -> int:
 
     import sere_fx
     from sere_fx import exporters
-    from sere_fx.benchmark import Timing
+    from sere_fx.benchmark import Timing, time_paired
     from sere_fx.calibration import batched, calibrate, read_documents, token_windows
     from sere_fx.resources import testbed_model, testbed_text
 
@@ -81,13 +81,8 @@ def main() -> int:
         reference = eager(plain)()
         for name, (base, pol) in runtimes.items():
             assert torch.equal(base(), reference), f"{name}: baseline tokens differ from the plain model's"
-            pol()  # warm-up
-            tb, tp = [], []
-            for i in range(args.repeats):
-                for fn, out in ((base, tb), (pol, tp)) if i % 2 == 0 else ((pol, tp), (base, tb)):
-                    t0 = time.perf_counter()
-                    fn()
-                    out.append(time.perf_counter() - t0)
+            samples = time_paired({"baseline": base, "sere": pol}, args.repeats)
+            tb, tp = samples["baseline"], samples["sere"]
             tps = lambda ts: Timing.of([BATCH * NEW / t for t in ts])  # noqa: E731
             ratio = Timing.of([b / p for b, p in zip(tb, tp)])
             rows.append({"runtime": name, "baseline_tok_s": tps(tb).__dict__, "sere_tok_s": tps(tp).__dict__,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -24,7 +23,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import sere_fx
-    from sere_fx.benchmark import Timing
+    from sere_fx.benchmark import time_fn
     from sere_fx.calibration import batched, calibrate, read_documents, token_windows
     from sere_fx.resources import testbed_model, testbed_text
 
@@ -47,14 +46,8 @@ def main() -> int:
                 if mode == "compile":
                     gen["cache_implementation"] = "static"
                     m.forward = torch.compile(m.forward, backend="sere" if kw is not None else "inductor")
-                with torch.no_grad():
-                    m.generate(prompts, **gen)  # warm-up (and compilation)
-                    samples = []
-                    for _ in range(3):
-                        start = time.perf_counter()
-                        m.generate(prompts, **gen)
-                        samples.append(time.perf_counter() - start)
-                t = Timing.of(samples)
+                with torch.no_grad():  # warm-up (and compilation), then 3 samples
+                    t = time_fn(lambda: m.generate(prompts, **gen), repeats=3, warmup=1)
                 tps = prompts.shape[0] * new / t.median_s
                 rows.append(dict(impl=impl, mode=mode, policy=label, tokens_per_s=tps, median_s=t.median_s,
                                  p10_s=t.p10_s, p90_s=t.p90_s))

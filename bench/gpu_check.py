@@ -32,21 +32,12 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import sere_fx  # noqa: E402
 from sere_fx import ops  # noqa: E402
+from sere_fx.benchmark import time_fn  # noqa: E402
 
 
 def cuda_time_us(fn, repeats: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    """Median microseconds per call on the GPU (``triton.testing.do_bench`` via ``time_fn``)."""
+    return time_fn(fn, repeats=repeats, warmup=10, device="cuda").median_s * 1e6
 
 
 def check_kernel() -> dict:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,19 +25,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_children import write_results  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from sere_fx.benchmark import time_fn  # noqa: E402
+
 
 def timed(fn, repeats: int, batches: int = 15):
-    for _ in range(repeats // 4):
-        fn()
-    per_call = []
-    for _ in range(batches):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        per_call.append((time.perf_counter() - start) / repeats * 1e6)
-    per_call.sort()
-    return {"median_us": statistics.median(per_call), "p10_us": per_call[len(per_call) // 10],
-            "p90_us": per_call[-1 - len(per_call) // 10]}
+    """Microseconds per call: median and spread over ``batches`` samples of ``repeats`` calls."""
+    t = time_fn(fn, repeats=batches, warmup=repeats // 4, number=repeats)
+    return {"median_us": t.median_s * 1e6, "p10_us": t.p10_s * 1e6, "p90_us": t.p90_s * 1e6}
 
 
 def main(argv=None) -> dict:

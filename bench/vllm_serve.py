@@ -37,6 +37,7 @@ Efficiency = measured TPOT ratio / limit. Figures and plots: ``--out`` (JSON) an
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -50,6 +51,9 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_children import HERE, MODELS, TESTBED, model_and_similarity  # noqa: E402
+
+sys.path.insert(0, os.path.join(HERE, ".."))
+from sere_fx.benchmark import time_fn  # noqa: E402
 
 POLICIES = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2},
             "weight": {"policy": "weight", "S": 1, "N": 0.6}, "plan": {}}
@@ -213,17 +217,16 @@ def moe_kernel_us(config: dict, tokens: int, distinct: float, repeats: int = 30)
     out = torch.empty_like(x)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    turn = itertools.count()
+
+    def call():  # a different layer's weights every call: out of the cache, as in a decode step
+        w13, w2 = weights[next(turn) % copies]
+        ops.cpu_fused_moe(out, x, w13, w2, None, None, topk_weights, ids, "silu", isa)
+
     try:
-        times = []
-        for i in range(repeats + copies):
-            w13, w2 = weights[i % copies]
-            start = time.perf_counter()
-            ops.cpu_fused_moe(out, x, w13, w2, None, None, topk_weights, ids, "silu", isa)
-            if i >= copies:
-                times.append((time.perf_counter() - start) * 1e6)
+        return time_fn(call, repeats=repeats, warmup=copies).median_s * 1e6
     finally:
         torch.set_num_threads(threads)
-    return statistics.median(times)
 
 
 # --- the sweep -------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from sere_fx.calibration.expert_outputs import ExpertOutputs
 from sere_fx.calibration.methods import DEFAULT_CKA_SAMPLE, METHODS, accumulator
 from sere_fx.discovery import find_moe_layers, model_identity
 from sere_fx.similarity import Similarity
+from sere_fx.errors import ArgumentTypeError, ArgumentValueError
 
 
 def _as_batch(batch):
@@ -24,11 +25,11 @@ def _as_batch(batch):
     elif isinstance(batch, dict) and "input_ids" in batch:
         ids, mask = batch["input_ids"], batch.get("attention_mask")
     else:
-        raise TypeError(f"batches: expected input_ids tensors [B, L] or dicts with 'input_ids', got {type(batch).__name__}")
+        raise ArgumentTypeError("batches", f"batches: expected input_ids tensors [B, L] or dicts with 'input_ids', got {type(batch).__name__}")
     if ids.dim() != 2:
-        raise ValueError(f"batches: expected input_ids of shape [B, L], got {list(ids.shape)}")
+        raise ArgumentValueError("batches", f"batches: expected input_ids of shape [B, L], got {list(ids.shape)}")
     if mask is not None and mask.shape != ids.shape:
-        raise ValueError(f"batches: attention_mask shape {list(mask.shape)} differs from input_ids {list(ids.shape)}")
+        raise ArgumentValueError("batches", f"batches: attention_mask shape {list(mask.shape)} differs from input_ids {list(ids.shape)}")
     return ids, mask
 
 
@@ -51,11 +52,11 @@ def calibrate(
     tokens per layer). ``total``: number of batches, for the progress bar.
     """
     if method not in METHODS:
-        raise ValueError(f"method: expected one of {list(METHODS)}, got {method!r}")
-    from sere_fx.transform import is_transformed
+        raise ArgumentValueError("method", f"method: expected one of {list(METHODS)}, got {method!r}")
+    from sere_fx.model_transform import is_transformed
 
     if is_transformed(model):
-        raise ValueError("model: calibrate the untransformed model (call sere_fx.restore(model) first)")
+        raise ArgumentValueError("model", "model: calibrate the untransformed model (call sere_fx.restore(model) first)")
     layers = find_moe_layers(model)
     accs = {
         layer.index: accumulator(method, ExpertOutputs(layer.experts, layer.num_experts), layer.num_experts, cka_sample)
@@ -106,7 +107,7 @@ def calibrate(
         if bar is not None:
             bar.close()
     if tokens == 0:
-        raise ValueError("batches: no calibration tokens (empty iterable or all padding)")
+        raise ArgumentValueError("batches", "batches: no calibration tokens (empty iterable or all padding)")
     matrices = {index: acc.finalize() for index, acc in accs.items()}
     metadata = {"method": method, "tokens": tokens, **model_identity(model, layers)}
     if method == "cka":

@@ -16,13 +16,15 @@ import os
 
 import torch
 
+from sere_fx.errors import ArgumentFileNotFoundError, ArgumentValueError
+
 FORMATS = (".txt", ".jsonl", ".parquet")
 
 
 def read_documents(path: str | os.PathLike, txt_docs: str = "file") -> list[str]:
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data: no file at {path!r}")
+        raise ArgumentFileNotFoundError("data", f"data: no file at {path!r}")
     ext = os.path.splitext(path)[1].lower()
     if ext == ".txt":
         text = open(path, encoding="utf-8").read()
@@ -30,7 +32,7 @@ def read_documents(path: str | os.PathLike, txt_docs: str = "file") -> list[str]
             return [text]
         if txt_docs == "line":
             return [line for line in text.splitlines() if line.strip()]
-        raise ValueError(f"txt_docs: expected 'file' or 'line', got {txt_docs!r}")
+        raise ArgumentValueError("txt_docs", f"txt_docs: expected 'file' or 'line', got {txt_docs!r}")
     if ext == ".jsonl":
         docs = []
         with open(path, encoding="utf-8") as f:
@@ -39,7 +41,7 @@ def read_documents(path: str | os.PathLike, txt_docs: str = "file") -> list[str]
                     continue
                 row = json.loads(line)
                 if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise ValueError(f"data: {path}:{n}: expected a JSON object with a string 'text' field")
+                    raise ArgumentValueError("data", f"data: {path}:{n}: expected a JSON object with a string 'text' field")
                 docs.append(row["text"])
         return docs
     if ext == ".parquet":
@@ -47,9 +49,9 @@ def read_documents(path: str | os.PathLike, txt_docs: str = "file") -> list[str]
 
         table = pq.read_table(path)
         if "text" not in table.column_names:
-            raise ValueError(f"data: {path!r} has columns {table.column_names}; expected a 'text' column")
+            raise ArgumentValueError("data", f"data: {path!r} has columns {table.column_names}; expected a 'text' column")
         return [t for t in table.column("text").to_pylist() if isinstance(t, str)]
-    raise ValueError(f"data: expected a file ending in one of {list(FORMATS)}, got {path!r}")
+    raise ArgumentValueError("data", f"data: expected a file ending in one of {list(FORMATS)}, got {path!r}")
 
 
 def token_windows(
@@ -62,9 +64,9 @@ def token_windows(
     e.g. calibration/tuning text and evaluation text.
     """
     if seq_len < 1:
-        raise ValueError(f"seq_len: expected a positive int, got {seq_len}")
+        raise ArgumentValueError("seq_len", f"seq_len: expected a positive int, got {seq_len}")
     if num_seqs is not None and num_seqs < 1:
-        raise ValueError(f"num_seqs: expected a positive int, got {num_seqs}")
+        raise ArgumentValueError("num_seqs", f"num_seqs: expected a positive int, got {num_seqs}")
     first, last = token_range
     windows = []
     base = 0
@@ -82,15 +84,15 @@ def token_windows(
         base += len(ids)
     if not windows:
         if first >= base:
-            raise ValueError(f"token range: expected START below the text's {base} tokens, got "
+            raise ArgumentValueError("token_range", f"token_range: expected START below the text's {base} tokens, got "
                              f"{first}:{'' if last is None else last}")
-        raise ValueError(f"data: no document has more than {seq_len} tokens (in token range {first}:{last})")
+        raise ArgumentValueError("data", f"data: no document has more than {seq_len} tokens (in token range {first}:{last})")
     return torch.tensor(windows, dtype=torch.int64)
 
 
 def batched(windows: torch.Tensor, batch_size: int):
     if batch_size < 1:
-        raise ValueError(f"batch_size: expected a positive int, got {batch_size}")
+        raise ArgumentValueError("batch_size", f"batch_size: expected a positive int, got {batch_size}")
     for start in range(0, windows.shape[0], batch_size):
         yield windows[start : start + batch_size]
 
@@ -104,7 +106,7 @@ def parse_token_range(text: str) -> tuple[int, int | None]:
         first = int(head) if head else 0
         last = int(tail) if tail else None
     except ValueError:
-        raise ValueError(f"token range: expected 'START:END' (either may be empty), got {text!r}") from None
+        raise ArgumentValueError("token_range", f"token_range: expected 'START:END' (either may be empty), got {text!r}") from None
     if first < 0 or (last is not None and last <= first):
-        raise ValueError(f"token range: expected 0 <= START < END, got {text!r}")
+        raise ArgumentValueError("token_range", f"token_range: expected 0 <= START < END, got {text!r}")
     return first, last

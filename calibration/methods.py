@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from sere_fx.errors import ArgumentValueError
+
 METHODS = ("frobenius", "cosine", "cka")
 DEFAULT_CKA_SAMPLE = 1024
 
@@ -107,4 +109,4 @@ def accumulator(method: str, expert_outputs, num_experts: int, cka_sample: int =
         return Cosine(expert_outputs, num_experts)
     if method == "cka":
         return CKA(expert_outputs, num_experts, cka_sample)
-    raise ValueError(f"method: expected one of {list(METHODS)}, got {method!r}")
+    raise ArgumentValueError("method", f"method: expected one of {list(METHODS)}, got {method!r}")

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from sere_fx.errors import ArgumentFileNotFoundError, ArgumentTypeError, ArgumentValueError
+
 FORMATS = ("pt2", "aoti", "onnx", "tensorrt")
 SETTINGS_KEY = "sere_settings.json"
 
@@ -36,11 +38,11 @@ def _as_args(example_inputs) -> tuple:
         return (example_inputs,)
     if isinstance(example_inputs, dict):
         if set(example_inputs) - {"input_ids"}:
-            raise ValueError(f"example_inputs: only 'input_ids' is exported, got keys {sorted(example_inputs)}")
+            raise ArgumentValueError("example_inputs", f"example_inputs: only 'input_ids' is exported, got keys {sorted(example_inputs)}")
         return (example_inputs["input_ids"],)
     if isinstance(example_inputs, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in example_inputs):
         return tuple(example_inputs)
-    raise TypeError(f"example_inputs: expected a tensor, a tuple of tensors or {{'input_ids': tensor}}, "
+    raise ArgumentTypeError("example_inputs", f"example_inputs: expected a tensor, a tuple of tensors or {{'input_ids': tensor}}, "
                     f"got {type(example_inputs).__name__}")
 
 
@@ -64,13 +66,14 @@ def _check_exportable(model: nn.Module) -> None:
     if settings is not None and settings.max_tokens is not None:
         topk = sorted(i for i, lp in settings.layers.items() if lp.policy == "topk")
         if topk:
-            raise ValueError(
+            raise ArgumentValueError(
+                "max_tokens",
                 f"max_tokens: policy 'topk' (layers {topk}) changes the number of routed slots, so a graph cannot keep "
                 f"both sides of the prefill/decode branch; export it re-routing every call (max_tokens=None), "
                 f"got {settings.max_tokens}"
             )
     if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
-        raise ValueError("model: the 'eager' experts implementation loops over experts with data-dependent control "
+        raise ArgumentValueError("model", "model: the 'eager' experts implementation loops over experts with data-dependent control "
                          "flow and cannot be exported; call model.set_experts_implementation('grouped_mm') first")
 
 
@@ -81,7 +84,7 @@ def exported_program(model: nn.Module, example_inputs, *, max_batch: int = 1024)
     if getattr(model, "config", None) is not None and hasattr(model, "generate"):
         module = LogitsOnly(model).eval()
         if len(args) != 1:
-            raise ValueError(f"example_inputs: a causal LM exports input_ids only, got {len(args)} tensors")
+            raise ArgumentValueError("example_inputs", f"example_inputs: a causal LM exports input_ids only, got {len(args)} tensors")
     else:
         module = model.eval()
     if args[0].shape[0] == 1:
@@ -99,13 +102,13 @@ CACHES = (None, "static")
 def _cache_inputs(model: nn.Module, example_inputs, max_cache_len) -> torch.Tensor:
     """The prompt a cache export traces with, after checking the cache arguments."""
     if not hasattr(model, "generate") or getattr(model, "config", None) is None:
-        raise ValueError(f"cache: 'static' needs a transformers causal LM, got {type(model).__name__}")
+        raise ArgumentValueError("cache", f"cache: 'static' needs a transformers causal LM, got {type(model).__name__}")
     if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 2:
-        raise ValueError(f"max_cache_len: expected an int >= 2 with cache='static', got {max_cache_len!r}")
+        raise ArgumentValueError("max_cache_len", f"max_cache_len: expected an int >= 2 with cache='static', got {max_cache_len!r}")
     args = _as_args(example_inputs)
     ids = args[0]
     if len(args) != 1 or ids.dim() != 2:
-        raise ValueError(f"example_inputs: expected one input_ids [B, L] tensor, got {len(args)} tensors, the first "
+        raise ArgumentValueError("example_inputs", f"example_inputs: expected one input_ids [B, L] tensor, got {len(args)} tensors, the first "
                          f"of shape {tuple(ids.shape)}")
     # A length-1 example would specialise the (dynamic) length to 1.
     ids = ids if ids.shape[1] >= 2 else torch.cat([ids, ids], dim=1)
@@ -127,21 +130,22 @@ def export(model: nn.Module, example_inputs, path: str | os.PathLike, format: st
     (SERE's saving depends on it). Run it with ``sere_fx.exporters.load(path).generate(...)``.
     """
     if format not in FORMATS:
-        raise ValueError(f"format: expected one of {list(FORMATS)}, got {format!r}")
+        raise ArgumentValueError("format", f"format: expected one of {list(FORMATS)}, got {format!r}")
     if cache not in CACHES:
-        raise ValueError(f"cache: expected one of {list(CACHES)}, got {cache!r}")
+        raise ArgumentValueError("cache", f"cache: expected one of {list(CACHES)}, got {cache!r}")
     if cache is None and max_cache_len is not None:
-        raise ValueError(f"max_cache_len: only used with cache='static', got {max_cache_len} with cache=None")
+        raise ArgumentValueError("max_cache_len", f"max_cache_len: only used with cache='static', got {max_cache_len} with cache=None")
     if cache is not None and max_batch is not None:
-        raise ValueError(f"max_batch: a cache export's batch is fixed to the example's, got max_batch={max_batch}")
+        raise ArgumentValueError("max_batch", f"max_batch: a cache export's batch is fixed to the example's, got max_batch={max_batch}")
     path = os.fspath(path)
     settings = settings_of(model)
     if format == "tensorrt":
         if cache is not None:
-            raise ValueError("cache: format 'tensorrt' does not carry a KV cache here; export cache='static' as "
+            raise ArgumentValueError("cache", "cache: format 'tensorrt' does not carry a KV cache here; export cache='static' as "
                              "'aoti' (CUDA too) or 'onnx' (ONNX Runtime's TensorRT provider), got cache='static'")
         if settings.get("max_tokens") is not None:
-            raise ValueError(
+            raise ArgumentValueError(
+                "max_tokens",
                 f"max_tokens: format 'tensorrt' cannot carry the prefill/decode branch (torch.cond); export it "
                 f"re-routing every call (max_tokens=None), got {settings['max_tokens']}"
             )
@@ -201,7 +205,7 @@ def read_settings(path: str | os.PathLike) -> dict:
     """The SERE settings an artifact written by ``export`` records."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"path: no artifact at {path!r}")
+        raise ArgumentFileNotFoundError("path", f"path: no artifact at {path!r}")
     if path.endswith(".onnx"):
         import onnx
 
@@ -219,6 +223,9 @@ def pt2_settings(path: str) -> dict | None:
     """The settings a pt2 file keeps as an extra file; None for any other zip (an aoti package)."""
     import zipfile
 
+    if not zipfile.is_zipfile(path):
+        raise ArgumentValueError("path", f"path: {path!r} is not a sere-fx artifact (pt2 and aoti artifacts are zip "
+                                         "archives; onnx ones end in .onnx)")
     with zipfile.ZipFile(path) as z:
         for name in z.namelist():
             if name.endswith("extra/" + SETTINGS_KEY):

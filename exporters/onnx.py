@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from sere_fx.errors import ArgumentValueError
 from sere_fx.ops import decompositions
 
 
@@ -26,7 +27,8 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str, meta: str, input_na
 
     node = _complex_node(ep)
     if node is not None:
-        raise ValueError(
+        raise ArgumentValueError(
+            "model",
             f"model: computes in complex numbers (node {node.name!r}: {node.format_node()[:120]}...), e.g. complex "
             "rotary embeddings (DeepSeek-V2); ONNX has no complex tensors. Export it as 'pt2' or 'aoti' instead"
         )

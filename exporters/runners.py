@@ -15,6 +15,7 @@ import os
 import torch
 
 from sere_fx.exporters.export import package_settings, pt2_settings, read_settings
+from sere_fx.errors import ArgumentValueError
 
 
 class Runner:
@@ -41,18 +42,18 @@ class Runner:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.int64:
             got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else \
                 type(input_ids).__name__
-            raise ValueError(f"input_ids: expected an int64 [B, L] tensor, got {got}")
+            raise ArgumentValueError("input_ids", f"input_ids: expected an int64 [B, L] tensor, got {got}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+            raise ArgumentValueError("max_new_tokens", f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
         batch, length = input_ids.shape
         if batch != self.batch:
-            raise ValueError(f"input_ids: {self.path} decodes batches of exactly {self.batch} sequences (fixed at "
+            raise ArgumentValueError("input_ids", f"input_ids: {self.path} decodes batches of exactly {self.batch} sequences (fixed at "
                              f"export), got {batch}")
         if length >= self.max_cache_len:
-            raise ValueError(f"input_ids: a prompt of {length} tokens leaves no room for new ones in the "
+            raise ArgumentValueError("input_ids", f"input_ids: a prompt of {length} tokens leaves no room for new ones in the "
                              f"{self.max_cache_len}-position cache of {self.path}")
         if length + max_new_tokens > self.max_cache_len:
-            raise ValueError(f"max_new_tokens: a prompt of {length} tokens plus {max_new_tokens} new ones needs "
+            raise ArgumentValueError("max_new_tokens", f"max_new_tokens: a prompt of {length} tokens plus {max_new_tokens} new ones needs "
                              f"{length + max_new_tokens} cache positions; {self.path} has {self.max_cache_len}")
         self.reset()
         tokens = [input_ids]
@@ -119,7 +120,7 @@ def load(path: str | os.PathLike) -> Runner:
             package = torch._inductor.aoti_load_package(path)
             settings = package_settings(package)
     if "cache" not in settings:
-        raise ValueError(f"path: {path!r} maps input_ids to logits with no KV cache (exported with cache=None); "
+        raise ArgumentValueError("path", f"path: {path!r} maps input_ids to logits with no KV cache (exported with cache=None); "
                          "export it with cache='static' to decode with it")
     if path.endswith(".onnx"):
         return OnnxRunner(path, settings)

@@ -1,6 +1,7 @@
 """sere-fx: training-free, batch-aware expert re-routing for MoE models, as a graph pass.
 
-    model = sere_fx.transform(model, sim, S=2, rho=0.5)
+    model = sere_fx.transform(model, sim, sere_fx.SereConfig(S=2, rho=0.5))
+    model = sere_fx.transform(model, sim, S=2, rho=0.5)  # the same, as keywords
 """
 
 import importlib.abc as _abc
@@ -34,13 +35,24 @@ if not any(isinstance(f, _SourceTreeFinder) for f in _sys.meta_path):
     _sys.meta_path.append(_SourceTreeFinder())
 
 from sere_fx import ops  # noqa: E402,F401  (registers torch.ops.sere.reroute)
+from sere_fx.config import (
+    LeastSimilarConfig,
+    OEAConfig,
+    Quantile,
+    RandomConfig,
+    RoutingConfig,
+    SereConfig,
+    TopKConfig,
+    WeightConfig,
+)
+from sere_fx.errors import ArgumentError
 from sere_fx.passes.matcher import RoutingMatchError
-from sere_fx.plan import LayerPlan, Quantile, load_plan, save_plan
+from sere_fx.plan import LayerPlan, load_plan, save_plan
 from sere_fx.policies import POLICIES, bypass
 from sere_fx.similarity import Similarity
 from sere_fx.stats import LayerStats
-from sere_fx.tune import tune
-from sere_fx.transform import DEFAULT_MAX_TOKENS, SereSettings, is_transformed, restore, routing_stats, transform
+from sere_fx.tuning import tune
+from sere_fx.model_transform import DEFAULT_MAX_TOKENS, SereSettings, is_transformed, restore, routing_stats, transform
 
 from sere_fx.compile import backend, register as _register_backend
 
@@ -54,6 +66,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "transform",
+    "RoutingConfig",
+    "SereConfig",
+    "OEAConfig",
+    "WeightConfig",
+    "TopKConfig",
+    "LeastSimilarConfig",
+    "RandomConfig",
+    "ArgumentError",
     "tune",
     "backend",
     "restore",

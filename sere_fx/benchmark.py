@@ -6,12 +6,14 @@ the same run, next to the limit that physics allows (distinct experts read).
 
 from __future__ import annotations
 
-import statistics
-import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
+
+from sere_fx.errors import ArgumentValueError
 
 
 @dataclass
@@ -22,24 +24,53 @@ class Timing:
     repeats: int
 
     @classmethod
-    def of(cls, samples: list[float]) -> "Timing":
-        s = sorted(samples)
-        pick = lambda q: s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]  # noqa: E731
-        return cls(statistics.median(s), pick(0.1), pick(0.9), len(s))
+    def of(cls, samples) -> "Timing":
+        p10, median, p90 = np.percentile(np.asarray(samples, dtype=np.float64), [10, 50, 90])
+        return cls(float(median), float(p10), float(p90), len(samples))
 
     def fmt(self, unit: float = 1e3, suffix: str = "ms") -> str:
         return f"{self.median_s * unit:.2f} {suffix} [{self.p10_s * unit:.2f}, {self.p90_s * unit:.2f}]"
 
 
-def time_fn(fn, repeats: int = 10, warmup: int = 2) -> Timing:
+def seconds(fn: Callable[[], object], number: int = 1) -> float:
+    """Seconds per call of ``fn``, over ``number`` back-to-back calls (``torch.utils.benchmark``:
+    it synchronises the GPU around the timed region when one is present)."""
+    from torch.utils.benchmark import Timer
+
+    return Timer(stmt="fn()", globals={"fn": fn}).timeit(number).mean
+
+
+def time_fn(fn: Callable[[], object], repeats: int = 10, warmup: int = 2, number: int = 1,
+            device: str | torch.device | None = None) -> Timing:
+    """Median and spread over ``repeats`` samples of ``number`` calls each, after ``warmup`` calls.
+    On a CUDA ``device`` the samples come from ``triton.testing.do_bench`` (CUDA events, cache
+    flushed between calls)."""
+    if device is not None and torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+
+        ms = do_bench(fn, warmup=max(warmup, 1), rep=max(repeats, 1), return_mode="all")
+        return Timing.of([m / 1e3 for m in ms])
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return Timing.of(samples)
+    return Timing.of([seconds(fn, number) for _ in range(repeats)])
+
+
+def time_paired(fns: Mapping[str, Callable[[], float | None]], repeats: int, warmup: int = 1,
+                number: int = 1) -> dict[str, list[float]]:
+    """Samples of several callables timed in the same run, interleaved: the order rotates every
+    repeat, so drift of the machine falls on every side alike. A callable that returns a float
+    reports its own seconds (it times a part of what it runs); else the call is timed."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            own = []
+            took = seconds(lambda: own.append(fns[name]()), number)
+            samples[name].append(own[0] if isinstance(own[0], float) else took)
+    return samples
 
 
 def _step_timer(model: nn.Module, batch: torch.Tensor, context: int, steps: int):
@@ -48,16 +79,17 @@ def _step_timer(model: nn.Module, batch: torch.Tensor, context: int, steps: int)
     from sere_fx.evaluate import CachedDecode
 
     if batch.shape[1] < context + steps:
-        raise ValueError(f"batch: expected at least context + steps = {context + steps} tokens per sequence, "
-                         f"got {batch.shape[1]}")
+        raise ArgumentValueError("batch", f"batch: expected at least context + steps = {context + steps} tokens per "
+                                          f"sequence, got {batch.shape[1]}")
     decoder = CachedDecode(model)
+
+    def decode():
+        for t in range(context, context + steps):
+            decoder.step(batch[:, t : t + 1])
 
     def one() -> float:
         decoder.prefill(batch[:, :context])
-        start = time.perf_counter()
-        for t in range(context, context + steps):
-            decoder.step(batch[:, t : t + 1])
-        return (time.perf_counter() - start) / steps
+        return seconds(decode) / steps
 
     return one
 
@@ -89,13 +121,6 @@ def paired_decode_timing(model: nn.Module, batch: torch.Tensor, *, repeats: int 
         with bypass():
             return one()
 
-    baseline(), one()  # warm-up
-    base, pol = [], []
-    for i in range(repeats):
-        if i % 2 == 0:
-            base.append(baseline())
-            pol.append(one())
-        else:
-            pol.append(one())
-            base.append(baseline())
+    samples = time_paired({"baseline": baseline, "policy": one}, repeats)
+    base, pol = samples["baseline"], samples["policy"]
     return PairedTiming(Timing.of(base), Timing.of(pol), Timing.of([b / p for b, p in zip(base, pol)]))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 
@@ -37,9 +36,7 @@ def _load_sim(path: str | None, option: str = "--sim"):
     """The similarity file, read and checked before any model is loaded."""
     if path is None:
         return None
-    import torch
-
-    from sere_fx.similarity import Similarity
+    from sere_fx.similarity import Similarity, non_finite
 
     try:
         sim = Similarity.load(path)
@@ -48,11 +45,10 @@ def _load_sim(path: str | None, option: str = "--sim"):
     except Exception as exc:  # truncated or foreign files: safetensors says why
         raise CliError(f"{option}: cannot read {path!r} as a similarity file ({_first_line(exc)})") from exc
     for layer in sim:
-        bad = ~torch.isfinite(sim[layer])
-        if bool(bad.any()):
-            where = bad.nonzero()[0].tolist()
-            raise CliError(f"{option}: layer {layer} has {int(bad.sum())} non-finite entries (expected finite "
-                           f"similarities), e.g. {sim[layer][where[0], where[1]].item()} at {where}")
+        if (found := non_finite(sim[layer])) is not None:
+            count, value, where = found
+            raise CliError(f"{option}: layer {layer} has {count} non-finite entries (expected finite "
+                           f"similarities), e.g. {value} at {where}")
     return sim
 
 
@@ -61,6 +57,20 @@ def _output_dir_missing(command: str, out: str) -> int | None:
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         return _error(command, f"--out: expected a path in an existing directory, got {out!r} ({folder!r} does not exist)")
+    return None
+
+
+def _out_dir_unusable(command: str, option: str, path: str) -> int | None:
+    """Check an output folder before any work: it may exist (as a folder) or be creatable."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return _error(command, f"{option}: expected a folder for the results, got {path!r} (a file)")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        return _error(command, f"{option}: expected a folder that can be created or written, got {path!r} "
+                               f"({parent!r} is not a writable folder)")
     return None
 
 
@@ -130,10 +140,10 @@ def _max_tokens(text: str) -> int | None:
 
 
 def cmd_inspect(args) -> int:
-    import torch
-
     from sere_fx.calibration.inspect import format_summary, plot
 
+    if args.plot and (failed := _out_dir_unusable("inspect", "--plot", args.plot)) is not None:
+        return failed
     sim = _load_sim(args.sim, option="sim")
     print(format_summary(sim, args.rho))
     if args.plot:
@@ -143,27 +153,43 @@ def cmd_inspect(args) -> int:
 
 
 def _check_data(args) -> None:
+    """``--data`` and ``--token-range``, before any model is loaded."""
+    from sere_fx.calibration.data import parse_token_range
+
     if not os.path.isfile(args.data):
         raise CliError(f"--data: expected a text file (.txt, .jsonl or .parquet), got {args.data!r} (no such file)")
+    try:
+        args.parsed_token_range = parse_token_range(args.token_range)
+    except ValueError as exc:
+        raise CliError(f"--token-range: {str(exc).removeprefix('token_range: ')}") from None
 
 
 def _windows(args, tokenizer, seq_len: int):
-    from sere_fx.calibration.data import parse_token_range, read_documents, token_windows
+    from sere_fx.calibration.data import read_documents, token_windows
 
     return token_windows(tokenizer, read_documents(args.data, args.txt_docs), seq_len, args.num_seqs,
-                         token_range=parse_token_range(args.token_range))
+                         token_range=args.parsed_token_range)
 
 
 def cmd_eval(args) -> int:
     from sere_fx.evaluate import DEFAULT_POLICIES, evaluate, parse_policy
 
     args.policies = args.policies or list(DEFAULT_POLICIES)
-    for spec in args.policies:  # before any model is loaded
+    for spec in args.policies:  # before any model is loaded: syntax, values, plan files
         try:
-            parse_policy(spec)
+            parsed = parse_policy(spec)
+            if parsed.kwargs is not None:
+                parsed.routing()
         except ValueError as exc:
             return _error("eval", f"--policies: {exc}")
 
+    labels = list(dict.fromkeys(["baseline"] + [parse_policy(spec).label for spec in args.policies]))
+    for pair in args.compare or []:
+        for label in pair:
+            if label not in labels:
+                return _error("eval", f"--compare: expected labels among --policies {labels}, got {label!r}")
+    if (failed := _out_dir_unusable("eval", "--out-dir", args.out_dir)) is not None:
+        return failed
     if args.num_seqs < args.batch_size:
         return _error("eval", f"--batch-size: expected at most --num-seqs ({args.num_seqs}), got {args.batch_size}: "
                               "every decode step must carry a full batch")
@@ -192,7 +218,7 @@ def cmd_eval(args) -> int:
 
 def cmd_tune(args) -> int:
     from sere_fx.plan import save_plan
-    from sere_fx.tune import tune
+    from sere_fx.tuning import tune
 
     if (failed := _output_dir_missing("tune", args.out)) is not None:
         return failed
@@ -218,6 +244,8 @@ def cmd_demo(args) -> int:
 
     if args.num_seqs < 32:
         return _error("demo", f"--num-seqs: expected at least 32 (the demo decodes batches of 32), got {args.num_seqs}")
+    if (failed := _out_dir_unusable("demo", "--out-dir", args.out_dir)) is not None:
+        return failed
     run(args.out_dir, num_eval_seqs=args.num_seqs, steps=args.steps)
     return 0
 
@@ -227,15 +255,21 @@ def cmd_export(args) -> int:
 
     import sere_fx
     from sere_fx.exporters import export
-    from sere_fx.policies import POLICIES, TOPK_POLICIES
+    from sere_fx.config import needs_similarity, routing_spec, spec_policies
+    from sere_fx.policies import POLICIES
 
     if (failed := _output_dir_missing("export", args.out)) is not None:
         return failed
-    if args.policy not in POLICIES:
+    if args.policy is not None and args.policy not in POLICIES:
         raise CliError(f"--policy: expected one of {', '.join(POLICIES)}, got {args.policy!r}")
-    if args.sim is None and args.plan is None and args.policy not in TOPK_POLICIES and (
-            args.policy != "sere" or args.S != 2 or args.rho is not None or args.N is not None):
-        raise CliError(f"--sim: policy {args.policy!r} needs a similarity file (without one the model is exported "
+    keywords = {"policy": args.policy, "S": args.S, "rho": args.rho, "N": args.N}
+    routing = routing_spec(plan=args.plan, **keywords)  # every value and the plan file, before the model loads
+    # Without a similarity file, the index policies export the model untransformed: fine when no
+    # routing option was given, an error when one was (it would be ignored).
+    transformed = args.sim is not None or args.plan is not None or not needs_similarity(routing)
+    if not transformed and any(v is not None for v in keywords.values()):
+        policy = sorted(spec_policies(routing))[0]
+        raise CliError(f"--sim: policy {policy!r} needs a similarity file (without one the model is exported "
                        "untransformed, and the routing options would be ignored), got none")
     if args.format == "tensorrt":  # before any work: this machine may not run it at all
         from sere_fx.exporters.tensorrt import available
@@ -256,9 +290,8 @@ def cmd_export(args) -> int:
     model, _ = _load_model(args.model, args.dtype)
     if args.experts_implementation:
         model.set_experts_implementation(args.experts_implementation)
-    if args.sim is not None or args.policy in TOPK_POLICIES or args.plan:
-        kwargs = {"plan": args.plan} if args.plan else {"policy": args.policy, "S": args.S, "rho": args.rho, "N": args.N}
-        sere_fx.transform(model, sim, max_tokens=args.max_tokens, **kwargs)
+    if transformed:
+        sere_fx.transform(model, sim, routing, max_tokens=args.max_tokens)
     example = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     path = export(model, example, args.out, format=args.format, max_batch=args.max_batch, cache=args.cache,
                   max_cache_len=args.max_cache_len)
@@ -284,6 +317,9 @@ def cmd_generate(args) -> int:
         runner = load(args.artifact)
     except ValueError as exc:
         raise CliError(f"--artifact: {str(exc).removeprefix('path: ')}") from exc
+    except Exception as exc:  # a foreign file the runtime cannot parse (onnx, torch.export say why)
+        raise CliError(f"--artifact: cannot load {args.artifact!r} as a sere-fx decode artifact "
+                       f"({type(exc).__name__}: {_first_line(exc)})") from exc
     if len(args.prompt) != runner.batch:
         raise CliError(f"--prompt: {args.artifact} decodes batches of exactly {runner.batch} prompts (fixed at export "
                        f"with --batch), got {len(args.prompt)}")
@@ -391,8 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--model", required=True, help="a local transformers model directory")
     x.add_argument("--sim", help="similarity file; without it (and without --plan / a topk, oea or weight --policy) "
                                  "the model is exported untransformed")
-    x.add_argument("--policy", default="sere", help="sere (default), least_similar, random, topk, oea or weight")
-    x.add_argument("--S", type=int, default=2)
+    x.add_argument("--policy", default=None, help="sere (default), least_similar, random, topk, oea or weight")
+    x.add_argument("--S", type=int, default=None, help="primary experts per token (default 2)")
     x.add_argument("--rho", type=float, default=None,
                    help="sere: similarity threshold (default 0.5); weight: importance threshold (default none)")
     x.add_argument("--N", type=_budget, default=None,
@@ -453,12 +489,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _report(command: str, exc: Exception, options: set[str]) -> int:
-    """One line for an error raised below the CLI. The library names its arguments (``sim: ...``,
-    ``max_tokens: ...``); where that argument is also this command's option, say it as the option."""
+    """One line for an error raised below the CLI. The library names its arguments (``err.arg``:
+    ``sim``, ``max_tokens``); where that argument is also this command's option, say it as the option."""
+    from sere_fx.errors import ArgumentError
+
     line = _first_line(exc)
-    name = re.match(r"([A-Za-z_]+)(?=[\[:])", line)
-    if name and (option := "--" + name.group(1).replace("_", "-")) in options:
-        line = option + line[name.end():]
+    if isinstance(exc, ArgumentError):
+        option = "--" + exc.arg.replace("_", "-")
+        if option in options:
+            line = _first_line(exc.said_as(option))
     elif not isinstance(exc, (ValueError, TypeError, FileNotFoundError)):  # not one of ours: say what it was
         line = f"{type(exc).__name__}: {line} (--debug shows the traceback)"
     return _error(command, line)

@@ -1,9 +1,10 @@
 """torch.compile integration.
 
-- ``sere_fx.backend(sim, S=2, rho=0.5, ...)``: a backend for an *untransformed* model. It runs
-  the same matcher and rewrite on each Dynamo graph it receives (routing sites are mapped
-  to decoder layers through ``nn_module_stack``), bakes the similarity matrices into the
-  graph module as buffers, then hands the graph to Inductor.
+- ``sere_fx.backend(sim, SereConfig(S=2, rho=0.5))`` (or ``backend(sim, S=2, rho=0.5)``): a
+  backend for an *untransformed* model. It runs the same matcher and rewrite on each Dynamo
+  graph it receives (routing sites are mapped to decoder layers through ``nn_module_stack``),
+  bakes the similarity matrices into the graph module as buffers, then hands the graph to
+  Inductor. Routing top-ks it leaves alone are reported, never passed on silently.
 - ``"sere"``: a named backend (registered on import, and through the
   ``torch_dynamo_backends`` entry point) for a model already passed through
   ``sere_fx.transform``: the re-routing op is already in its graph; it checks that and
@@ -12,38 +13,33 @@
 
 from __future__ import annotations
 
-import re
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch._dynamo.utils import counters
 
+from sere_fx.config import LayerInfo, needs_similarity, plan_for_layers, restrict, routing_spec
+from sere_fx.discovery import layer_index
+from sere_fx.errors import ArgumentValueError
+from sere_fx.model_transform import DEFAULT_MAX_TOKENS, check_max_tokens
 from sere_fx.passes.matcher import RoutingMatchError, find_routing_sites, node_shape, op_kind
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
-from sere_fx.plan import build_plan, plan_settings
-from sere_fx.policies import INDEX_POLICIES
 from sere_fx.similarity import as_similarity
-from sere_fx.transform import DEFAULT_MAX_TOKENS
-
-_LAYER = re.compile(r"layers[\.\[]\'?(\d+)")
-
-
-@dataclass(frozen=True)
-class _GraphLayer:  # what ``build_plan`` needs to know about a layer seen in a graph
-    index: int
-    name: str
-    num_experts: int
-    top_k: int
 
 
 def _layer_of(node: fx.Node) -> tuple[int, str] | None:
     stack = node.meta.get("nn_module_stack") or {}
     for path, _ in reversed(list(stack.values())):
-        m = _LAYER.search(str(path))
-        if m:
-            return int(m.group(1)), str(path)
+        index = layer_index(str(path))
+        if index is not None:
+            return index, str(path)
     return None
+
+
+def _n_experts(node: fx.Node):
+    shape = node_shape(node.args[0]) if node.args else None
+    return shape[-1] if shape else None
 
 
 def _inductor(gm, example_inputs):
@@ -53,17 +49,51 @@ def _inductor(gm, example_inputs):
 
 
 class SereBackend:
-    """``torch.compile(model, backend=SereBackend(sim, ...))``; see ``sere_fx.backend``."""
+    """``torch.compile(model, backend=SereBackend(sim, ...))``; see ``sere_fx.backend``.
 
-    def __init__(self, sim, S=2, rho=None, *, policy="sere", N=None, max_tokens=DEFAULT_MAX_TOKENS, plan=None,
-                 inner=_inductor):
+    Counts what it does as Inductor's passes do (``torch._dynamo.utils.counters["sere"]``:
+    ``sites_rewritten``, ``graphs_rewritten``, ``graphs_unrewritten``) and on itself
+    (``sites_rewritten``, ``layers_rewritten``). A routing top-k it leaves alone (a layer the
+    similarity or the per-layer settings do not cover, a matrix of another size) and a graph
+    with top-ks in decoder layers but no rewrite are reported: a warning, or an error with
+    ``strict=True``. ``check()`` reports configured layers no graph has shown.
+    """
+
+    def __init__(self, sim=None, config=None, rho=None, *, S=None, policy=None, N=None,
+                 max_tokens=DEFAULT_MAX_TOKENS, plan=None, strict: bool = False, inner=_inductor):
+        check_max_tokens(max_tokens)
+        self.spec = routing_spec(config, policy=policy, S=S, rho=rho, N=N, plan=plan)
         self.sim = as_similarity(sim) if sim is not None else None
-        if plan is not None:
-            policy, S, rho, N = plan_settings(plan, policy, S, rho, N)
-        self.policy, self.S, self.rho, self.N, self.max_tokens = policy, S, rho, N, max_tokens
-        self.inner = inner
+        if self.sim is None and needs_similarity(self.spec):
+            raise ArgumentValueError("sim", "sim: an index policy (sere, least_similar) needs expert-similarity "
+                                            "matrices, got None")
+        self.max_tokens, self.strict, self.inner = max_tokens, strict, inner
         self.sites_rewritten = 0
-        self.layers_seen: set[int] = set()
+        self.layers_rewritten: set[int] = set()
+
+    @property
+    def configured_layers(self) -> set[int] | None:
+        """The layers the similarity or the per-layer settings name (None: whatever the graphs show)."""
+        if self.sim is not None:
+            return set(self.sim)
+        if isinstance(self.spec, dict):
+            return set(self.spec)
+        return None
+
+    def _report(self, problems: list[str]) -> None:
+        if not problems:
+            return
+        message = "sere_fx.backend: " + "; ".join(problems)
+        if self.strict:
+            raise RoutingMatchError(message)
+        warnings.warn(message + " (strict=True makes this an error)", stacklevel=3)
+
+    def check(self) -> None:
+        """Call after the compiled model has run: reports configured layers that no graph rewrote."""
+        missing = sorted((self.configured_layers or set()) - self.layers_rewritten)
+        if missing:
+            self._report([f"configured MoE decoder layers {missing} never appeared in a compiled graph "
+                          f"(rewritten: {sorted(self.layers_rewritten)})"])
 
     def rewrite(self, gm: fx.GraphModule) -> int:
         """Rewrite every routing site of ``gm`` in place; returns how many.
@@ -71,13 +101,16 @@ class SereBackend:
         The similarity matrices become buffers of ``gm``. AOT lifts a Dynamo graph's buffers
         by the source Dynamo recorded for each, so each new buffer is given a constant source.
         """
-        sizes = sorted({int(m.shape[0]) for m in self.sim.values()}) if self.sim is not None else None
-        if sizes is None:
+        topks = [n for n in gm.graph.nodes if op_kind(n) == "topk"]
+        if self.sim is not None:
+            sizes = sorted({int(m.shape[0]) for m in self.sim.values()})
+        else:
             # Policies without similarity: the expert dimension is the widest top-k input in
             # the graph (group top-ks, as in DeepSeek, run over fewer entries).
-            widths = {_n_experts(n) for n in gm.graph.nodes if op_kind(n) == "topk"} - {None}
+            widths = {_n_experts(n) for n in topks} - {None}
             sizes = [max(widths)] if widths else []
-        found = {}
+        configured = self.configured_layers
+        found, problems = {}, []
         for e in sizes:
             for site in find_routing_sites(gm.graph, e, where="compiled graph"):
                 where = _layer_of(site.topk)
@@ -85,22 +118,33 @@ class SereBackend:
                     raise RoutingMatchError(f"compiled graph: routing top-k {site.topk.name!r} has no decoder-layer "
                                             "path in its nn_module_stack")
                 index, path = where
-                if self.sim is not None and (index not in self.sim or self.sim[index].shape[0] != e):
-                    continue  # a top-k over e experts in a layer whose matrix has another size
-                found[index] = (site, _GraphLayer(index, path, e, site.k))
+                if configured is not None and index not in configured:
+                    problems.append(f"routing top-k {site.topk.name!r} of decoder layer {index} ({e} experts) left "
+                                    f"as it is: the settings cover layers {sorted(configured)}")
+                elif self.sim is not None and self.sim[index].shape[0] != e:
+                    problems.append(f"routing top-k {site.topk.name!r} of decoder layer {index} left as it is: "
+                                    f"{e} experts, but sim[{index}] is {list(self.sim[index].shape)}")
+                else:
+                    found[index] = (site, LayerInfo(index, path, e, site.k))
         if not found:
+            in_layers = sorted({_n_experts(n) for n in topks if _layer_of(n) is not None} - {None})
+            if in_layers and not problems:
+                problems.append(f"this graph has top-ks over {in_layers} entries in decoder layers, but none is a "
+                                f"routing site over the similarity's expert counts {sizes}")
+            if problems:
+                counters["sere"]["graphs_unrewritten"] += 1
+            self._report(problems)
             return 0
         layers = [found[i][1] for i in sorted(found)]
         matrices = {i: self.sim[i] for i in found} if self.sim is not None else None
-        plan = build_plan(layers, _restrict(self.policy, found), _restrict(self.S, found), _restrict(self.rho, found),
-                          matrices, _restrict(self.N, found))
+        plan = plan_for_layers(restrict(self.spec, found), layers, matrices)
         for index, (site, layer) in sorted(found.items()):
             lp = plan[index]
             if lp.policy == "random":
-                raise ValueError(f"policy[{index}]: 'random' is an evaluation ablation; the compile backend does not "
-                                 "support it (use sere_fx.transform for it)")
+                raise ArgumentValueError("policy", f"policy[{index}]: 'random' is an evaluation ablation; the compile "
+                                                   "backend does not support it (use sere_fx.transform for it)")
             name = None
-            if lp.policy in INDEX_POLICIES:
+            if lp.needs_similarity:
                 name = f"sere_similarity_{index}"
                 value = site.scores.meta.get("example_value", site.scores.meta.get("val"))
                 gm.register_buffer(name, matrices[index].to(torch.float32).to(value.device))
@@ -112,8 +156,11 @@ class SereBackend:
             insert_policy(gm.graph, site, lp, self.max_tokens, SiteAttrs(similarity=name), where=layer.name)
         gm.graph.lint()
         gm.recompile()
-        self.layers_seen |= set(found)
+        self.layers_rewritten |= set(found)
         self.sites_rewritten += len(found)
+        counters["sere"]["sites_rewritten"] += len(found)
+        counters["sere"]["graphs_rewritten"] += 1
+        self._report(problems)
         return len(found)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -121,18 +168,12 @@ class SereBackend:
         return self.inner(gm, example_inputs)
 
 
-def _restrict(value, found):
-    return {i: value[i] for i in found} if isinstance(value, dict) else value
-
-
-def _n_experts(node: fx.Node):
-    shape = node_shape(node.args[0]) if node.args else None
-    return shape[-1] if shape else None
-
-
-def backend(sim, S=2, rho=None, *, policy="sere", N=None, max_tokens=DEFAULT_MAX_TOKENS, plan=None) -> SereBackend:
-    """A ``torch.compile`` backend applying the SERE pass (same arguments as ``transform``)."""
-    return SereBackend(sim, S, rho, policy=policy, N=N, max_tokens=max_tokens, plan=plan)
+def backend(sim=None, config=None, rho=None, *, S=None, policy=None, N=None, max_tokens=DEFAULT_MAX_TOKENS,
+            plan=None, strict: bool = False) -> SereBackend:
+    """A ``torch.compile`` backend applying the SERE pass, with ``transform``'s settings
+    (``backend(sim, SereConfig(S=2, rho=0.5))`` or ``backend(sim, S=2, rho=0.5)``). ``strict``: a
+    routing top-k left alone is an error, not a warning."""
+    return SereBackend(sim, config, rho, S=S, policy=policy, N=N, max_tokens=max_tokens, plan=plan, strict=strict)
 
 
 def _contains_policy_calls(gm: fx.GraphModule) -> bool:

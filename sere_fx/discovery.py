@@ -18,8 +18,17 @@ from torch import fx, nn
 
 from sere_fx.passes.matcher import RoutingMatchError, RoutingSite, describe_topks, match_router, op_kind
 from sere_fx.passes.trace import annotate_shapes, trace_module
+from sere_fx.errors import ArgumentValueError
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+# ``model.layers.3.mlp`` (module names), ``L['self'].model.layers[3]`` / ``layers['3']`` (Dynamo's
+# nn_module_stack paths)
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers(?:\.|\[['\"]?)(\d+)(?:['\"]?\]|\.|$)")
+
+
+def layer_index(path: str) -> int | None:
+    """The decoder-layer index in a module path, or None when it names none."""
+    match = _LAYER_INDEX.search(path)
+    return int(match.group(1)) if match else None
 
 
 @dataclass
@@ -56,7 +65,7 @@ def _example_input(experts: nn.Module, hidden_size: int) -> torch.Tensor:
     dtype = p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
     device = p.device if p is not None else torch.device("cpu")
     if device.type == "meta":
-        raise ValueError("model: its expert weights are on the 'meta' device; load real weights before transform")
+        raise ArgumentValueError("model", "model: its expert weights are on the 'meta' device; load real weights before transform")
     gen = torch.Generator().manual_seed(0)
     return torch.randn(3, hidden_size, generator=gen).to(device=device, dtype=dtype)
 
@@ -110,8 +119,8 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
         experts = getattr(block, "experts", None)
         if not isinstance(experts, nn.Module) or experts not in block.children():
             continue
-        match = _LAYER_INDEX.search(name)
-        index = int(match.group(1)) if match else len(blocks)
+        index = layer_index(name)
+        index = len(blocks) if index is None else index
         blocks.append(MoEBlock(index, name, block, experts, expert_count(experts, f"{name}.experts")))
     if not blocks:
         raise RoutingMatchError(

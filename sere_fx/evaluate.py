@@ -22,12 +22,15 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
+from sere_fx.config import needs_similarity, plan_for_layers, routing_spec
 from sere_fx.discovery import find_moe_blocks, find_moe_layers
+from sere_fx.errors import ArgumentError, ArgumentValueError, argument_error
+from sere_fx.model_transform import restore, transform
 from sere_fx.plan import Quantile, parse_budget
 from sere_fx.policies import POLICIES, bypass
 from sere_fx.similarity import as_similarity, resolve
-from sere_fx.transform import restore, transform
 
 
 @dataclass(frozen=True)
@@ -37,10 +40,16 @@ class PolicySpec:
     label: str
     kwargs: dict | None
 
+    def routing(self):
+        """The settings as configs (``config.routing_spec``: plan files read, values checked); errors
+        name ``policy`` and the spec as typed."""
+        try:
+            return routing_spec(**self.kwargs)
+        except ArgumentError as exc:
+            raise argument_error("policy", f"policy: {self.label!r}: {exc.message}", exc._kind()) from None
+
     def needs_sim(self) -> bool:
-        if self.kwargs is None:
-            return False
-        return "plan" in self.kwargs or self.kwargs.get("policy", "sere") in ("sere", "least_similar", "random")
+        return self.kwargs is not None and needs_similarity(self.routing())
 
 
 def parse_policy(text: str) -> PolicySpec:
@@ -53,15 +62,15 @@ def parse_policy(text: str) -> PolicySpec:
     name, _, rest = text.partition(":")
     if name == "plan":
         if not rest:
-            raise ValueError(f"policy: expected 'plan:PATH', got {text!r}")
+            raise ArgumentValueError("policy", f"policy: expected 'plan:PATH', got {text!r}")
         return PolicySpec(f"plan:{os.path.basename(rest)}", {"plan": rest})
     if name not in POLICIES:
-        raise ValueError(f"policy: expected 'baseline', 'plan:PATH' or one of {list(POLICIES)}, got {name!r} in {text!r}")
+        raise ArgumentValueError("policy", f"policy: expected 'baseline', 'plan:PATH' or one of {list(POLICIES)}, got {name!r} in {text!r}")
     kwargs: dict = {"policy": name}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key not in ("S", "rho", "N"):
-            raise ValueError(f"policy: expected settings S=<int>, rho=<float>, rho=q<quantile> or N=<int or fraction>, "
+            raise ArgumentValueError("policy", f"policy: expected settings S=<int>, rho=<float>, rho=q<quantile> or N=<int or fraction>, "
                              f"got {item!r} in {text!r}")
         try:
             if key == "S":
@@ -74,7 +83,7 @@ def parse_policy(text: str) -> PolicySpec:
                 kwargs["rho"] = float(value)
         except ValueError as exc:
             wanted = {"S": "an int", "N": "an int or a fraction in (0, 1)"}.get(key, "a float or q<quantile in [0, 1]>")
-            raise ValueError(f"policy: expected {key}={wanted}, got {item!r} in {text!r} ({exc})") from None
+            raise ArgumentValueError("policy", f"policy: expected {key}={wanted}, got {item!r} in {text!r} ({exc})") from None
     return PolicySpec(text, kwargs)
 
 
@@ -153,9 +162,9 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     """Teacher-forced batched decode over ``windows [N, L]``; scores the L - prefill - 1 decode steps."""
     n, length = windows.shape
     if batch_size < 1:
-        raise ValueError(f"batch_size: expected a positive int, got {batch_size}")
+        raise ArgumentValueError("batch_size", f"batch_size: expected a positive int, got {batch_size}")
     if not 1 <= prefill < length - 1:
-        raise ValueError(f"prefill: expected an int in [1, {length - 2}] for windows of {length} tokens, got {prefill}")
+        raise ArgumentValueError("prefill", f"prefill: expected an int in [1, {length - 2}] for windows of {length} tokens, got {prefill}")
     layers = find_moe_blocks(model)
     counts = {layer.index: [0, 0] for layer in layers}  # distinct-expert sum, decode calls
     state = {"decoding": False}
@@ -172,11 +181,8 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     decoder = CachedDecode(model)
     correct = np.zeros(n, dtype=np.int64)
     nll = np.zeros(n, dtype=np.float64)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=math.ceil(n / batch_size) * (length - prefill - 1), desc=desc, unit="step", leave=False)
+    bar = tqdm(total=math.ceil(n / batch_size) * (length - prefill - 1), desc=desc, unit="step", leave=False,
+               disable=not progress)
     try:
         for start in range(0, n, batch_size):
             batch = windows[start : start + batch_size].to(device)
@@ -188,13 +194,11 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
                 target = batch[:, t + 1]
                 nll[start : start + batch.shape[0]] -= logp.gather(1, target[:, None]).squeeze(1).double().cpu().numpy()
                 correct[start : start + batch.shape[0]] += (logp.argmax(-1) == target).cpu().numpy()
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
     finally:
         for h in handles:
             h.remove()
-        if bar is not None:
-            bar.close()
+        bar.close()
     tokens = np.full(n, length - prefill - 1, dtype=np.int64)
     distinct = {i: s / max(c, 1) for i, (s, c) in counts.items()}
     return DecodeScores(correct, nll, tokens, distinct)
@@ -318,15 +322,25 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
     """
     specs = [p if isinstance(p, PolicySpec) else parse_policy(p) for p in policies]
     specs = [s for s in specs if s.kwargs is not None]
+    routings = {s.label: s.routing() for s in specs}  # plan files read, values checked
     for s in specs:
-        if s.needs_sim() and sim is None:
-            raise ValueError(f"sim: policy {s.label!r} needs expert-similarity matrices, got None")
-    if sim is not None:  # a bad file or shape fails now, not after the baseline pass
+        if needs_similarity(routings[s.label]) and sim is None:
+            raise ArgumentValueError("sim", f"sim: policy {s.label!r} needs expert-similarity matrices, got None")
+    # Everything the model decides (S against each layer's top-k, the similarity's layers and
+    # shapes, quantiles) fails now, not after the baseline pass.
+    layers = find_moe_layers(model)
+    matrices = None
+    if sim is not None:
         sim = as_similarity(sim)
-        resolve(sim, find_moe_layers(model))
+        matrices = resolve(sim, layers)
+    for s in specs:
+        try:
+            plan_for_layers(routings[s.label], layers, matrices)
+        except ArgumentError as exc:
+            raise argument_error("policy", f"policy: {s.label!r}: {exc.message}", exc._kind()) from None
     n = int(windows.shape[0])
     if not isinstance(batch_size, int) or not 1 <= batch_size <= n:
-        raise ValueError(f"batch_size: expected an int in [1, {n}] (the number of sequences), got {batch_size!r}: "
+        raise ArgumentValueError("batch_size", f"batch_size: expected an int in [1, {n}] (the number of sequences), got {batch_size!r}: "
                          "every decode step must carry a full batch")
     # Every scored step carries exactly batch_size tokens: a smaller last batch would be a
     # different workload, so its sequences are left out and counted in the report.
@@ -337,7 +351,8 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
                                  desc="baseline")
     scored = [("baseline", baseline, None)]
     for spec in specs:
-        transform(model, sim if spec.needs_sim() else None, max_tokens=max_tokens, **spec.kwargs)
+        routing = routings[spec.label]
+        transform(model, sim if needs_similarity(routing) else None, routing, max_tokens=max_tokens)
         try:
             settings = model.sere_settings.as_dict()
             scored.append((spec.label, decode_scores(model, windows, batch_size=batch_size, prefill=prefill,

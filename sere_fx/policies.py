@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import torch
 
+from sere_fx.config import INDEX_POLICIES, POLICIES  # noqa: F401  (the policy names live with their configs)
+from sere_fx.errors import argument_error
 from sere_fx.ops import apply_table, primary_mask, remap_table
 
-INDEX_POLICIES = ("sere", "least_similar", "random")  # need a similarity matrix; take rho
-TOPK_POLICIES = ("topk", "oea", "weight")
+TOPK_POLICIES = tuple(p for p in POLICIES if p not in INDEX_POLICIES)  # replace the router's top-k
 REFILL_POLICIES = ("oea", "weight")  # tokens refill from the loaded set; weights come from the model
-POLICIES = INDEX_POLICIES + TOPK_POLICIES
 
 _BYPASS = False
 
@@ -107,7 +107,7 @@ def ablation_reroute(ranked: torch.Tensor, similarity: torch.Tensor, S: int, rho
         noise = torch.rand(e, e, generator=generator, device=sim.device if generator is None else generator.device)
         choice = noise.to(sim.device).masked_fill(~primary, -1.0).argmax(dim=1)
     else:
-        raise ValueError(f"target: expected 'least_similar' or 'random', got {target!r}")
+        raise argument_error("target", f"target: expected 'least_similar' or 'random', got {target!r}")
     return apply_table(remap_table(primary, sim, rho, choice), ranked, valid_rows)
 
 
@@ -270,7 +270,7 @@ def select_topk(
     ``rho`` and ``N``: the ``weight`` policy's importance threshold and expert budget."""
     e = scores.shape[-1]
     if policy not in TOPK_POLICIES:
-        raise ValueError(f"policy: expected one of {list(TOPK_POLICIES)}, got {policy!r}")
+        raise argument_error("policy", f"policy: expected one of {list(TOPK_POLICIES)}, got {policy!r}")
 
     def policy_fn(scores):
         flat = scores.reshape(-1, e)

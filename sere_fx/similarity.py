@@ -8,11 +8,12 @@ Files are safetensors: one tensor ``layer.<i>`` per MoE layer and the metadata a
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 
 import torch
+
+from sere_fx.errors import ArgumentFileNotFoundError, ArgumentTypeError, ArgumentValueError
 
 _META_KEY = "sere_fx"
 
@@ -49,7 +50,7 @@ class Similarity(Mapping):
 
         path = os.fspath(path)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"sim: no similarity file at {path!r}")
+            raise ArgumentFileNotFoundError("sim", f"sim: no similarity file at {path!r}")
         matrices, metadata = {}, {}
         with safe_open(path, framework="pt") as f:
             raw = (f.metadata() or {}).get(_META_KEY)
@@ -57,7 +58,7 @@ class Similarity(Mapping):
             for key in f.keys():
                 prefix, _, index = key.partition(".")
                 if prefix != "layer" or not index.isdigit():
-                    raise ValueError(f"sim: {path!r} has tensor {key!r}; expected keys 'layer.<decoder layer index>'")
+                    raise ArgumentValueError("sim", f"sim: {path!r} has tensor {key!r}; expected keys 'layer.<decoder layer index>'")
                 matrices[int(index)] = f.get_tensor(key)
         return cls(matrices, metadata)
 
@@ -75,17 +76,18 @@ def as_similarity(sim) -> Similarity:
     if isinstance(sim, Mapping):
         for k, v in sim.items():
             if not isinstance(k, int) or isinstance(k, bool):
-                raise TypeError(f"sim: mapping keys must be decoder-layer indices (int), got {k!r}")
+                raise ArgumentTypeError("sim", f"sim: mapping keys must be decoder-layer indices (int), got {k!r}")
             if not isinstance(v, torch.Tensor):
-                raise TypeError(f"sim[{k}]: expected a torch.Tensor, got {type(v).__name__}")
+                raise ArgumentTypeError("sim", f"sim[{k}]: expected a torch.Tensor, got {type(v).__name__}")
         return Similarity(sim)
     if isinstance(sim, Sequence) and not isinstance(sim, (bytes, str)):
         for i, v in enumerate(sim):
             if not isinstance(v, torch.Tensor):
-                raise TypeError(f"sim[{i}]: expected a torch.Tensor, got {type(v).__name__}")
+                raise ArgumentTypeError("sim", f"sim[{i}]: expected a torch.Tensor, got {type(v).__name__}")
         seq = Similarity({i: v for i, v in enumerate(sim)}, {"_in_moe_order": True})
         return seq
-    raise TypeError(
+    raise ArgumentTypeError(
+        "sim",
         "sim: expected a Similarity, a path to a saved similarity file, a mapping "
         f"{{decoder_layer_index: Tensor[E, E]}} or a sequence of [E, E] tensors; got {type(sim).__name__}"
     )
@@ -101,13 +103,15 @@ def resolve(sim, layers: Sequence) -> dict[int, torch.Tensor]:
     indices = [layer.index for layer in layers]
     if sim.metadata.get("_in_moe_order"):
         if len(sim) != len(layers):
-            raise ValueError(
+            raise ArgumentValueError(
+                "sim",
                 f"sim: expected {len(layers)} matrices (one per MoE layer, decoder layers {indices}), got {len(sim)}"
             )
         matrices = {layer.index: sim[i] for i, layer in enumerate(layers)}
     else:
         if sorted(sim) != sorted(indices):
-            raise ValueError(
+            raise ArgumentValueError(
+                "sim",
                 f"sim: expected matrices for the MoE decoder layers {indices}, got layers {sorted(sim)}"
             )
         matrices = {layer.index: sim[layer.index] for layer in layers}
@@ -116,25 +120,29 @@ def resolve(sim, layers: Sequence) -> dict[int, torch.Tensor]:
         m = matrices[layer.index]
         e = layer.num_experts
         if tuple(m.shape) != (e, e):
-            raise ValueError(
+            raise ArgumentValueError(
+                "sim",
                 f"sim[{layer.index}]: expected shape [{e}, {e}] (experts of {layer.name}), got {list(m.shape)}"
             )
         if not m.dtype.is_floating_point:
-            raise TypeError(f"sim[{layer.index}]: expected a floating-point tensor, got {m.dtype}")
-        finite = torch.isfinite(m)
-        if not bool(finite.all()):
-            bad = (~finite).nonzero()[0].tolist()
-            raise ValueError(
-                f"sim[{layer.index}]: expected finite values, got {m[bad[0], bad[1]].item()} at {bad} "
-                f"({int((~finite).sum())} non-finite entries)"
-            )
+            raise ArgumentTypeError("sim", f"sim[{layer.index}]: expected a floating-point tensor, got {m.dtype}")
+        check_finite(f"sim[{layer.index}]", m)
         out[layer.index] = m.detach().to(torch.float32).clone()
     return out
 
 
-def check_finite_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a finite float, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite float, got {value}")
-    return float(value)
+def non_finite(matrix: torch.Tensor) -> tuple[int, float, list[int]] | None:
+    """``(count, first value, its [row, col])`` of a matrix's non-finite entries, or None when all are
+    finite (a NaN similarity would make every comparison with rho false)."""
+    finite = torch.isfinite(matrix)
+    if bool(finite.all()):
+        return None
+    bad = (~finite).nonzero()[0].tolist()
+    return int((~finite).sum()), matrix[bad[0], bad[1]].item(), bad
+
+
+def check_finite(name: str, matrix: torch.Tensor) -> None:
+    if (found := non_finite(matrix)) is not None:
+        count, value, where = found
+        raise ArgumentValueError(name.split("[")[0], f"{name}: expected finite values, got {value} at {where} "
+                                                     f"({count} non-finite entries)")

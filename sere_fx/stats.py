@@ -43,7 +43,3 @@ class LayerStats:
         d["mean_distinct_before"] = self.distinct_before / self.calls if self.calls else 0.0
         d["mean_distinct_after"] = self.distinct_after / self.calls if self.calls else 0.0
         return d
-
-    def reset(self) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, 0)

@@ -194,7 +194,7 @@ def test_data_formats(tmp_path):
     assert token_windows(Tok(), ["abcd", "efghijkl"], 4).tolist() == [[101, 102, 103, 104], [105, 106, 107, 108]]
     assert token_windows(Tok(), ["abcd", "efghijkl"], 4, token_range=(8, None)).tolist() == [[105, 106, 107, 108]]
     # a range that starts past the end of the text says so (not that documents are too short)
-    with pytest.raises(ValueError, match="token range: expected START below the text's 12 tokens, got 40:"):
+    with pytest.raises(ValueError, match="token_range: expected START below the text's 12 tokens, got 40:"):
         token_windows(Tok(), ["abcd", "efghijkl"], 4, token_range=(40, None))
 
 

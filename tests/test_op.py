@@ -216,8 +216,21 @@ def test_remap_ids_leaves_prefill_untouched():
     assert not torch.equal(remap_ids(ids, None, sim, S=1, rho=0.0, max_tokens=10), ids)
 
 
-def test_public_api_exports():
-    assert callable(sere_fx.transform) and sere_fx.DEFAULT_MAX_TOKENS == 256
+def test_public_api_names_the_functions_not_shadowed_modules():
+    import importlib
+    import inspect
+
+    for name in sere_fx.__all__:
+        assert getattr(sere_fx, name) is not None, name
+    # sere_fx.transform / sere_fx.tune are the functions; their modules have names of their own
+    assert sere_fx.transform is importlib.import_module("sere_fx.model_transform").transform
+    assert sere_fx.tune is importlib.import_module("sere_fx.tuning").tune
+    for shadowed in ("sere_fx.transform", "sere_fx.tune"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(shadowed)
+    # the documented default is the one the entry points use
+    for fn in (sere_fx.transform, sere_fx.backend):
+        assert inspect.signature(fn).parameters["max_tokens"].default == sere_fx.DEFAULT_MAX_TOKENS
 
 
 @st.composite

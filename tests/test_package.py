@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 import sere_fx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(sere_fx.__file__)))
@@ -25,12 +27,28 @@ def test_subpackages_import_under_sere_fx():
     assert exporters.export.__module__ == "sere_fx.exporters.export"
 
 
-def test_pyproject_installs_no_top_level_calibration_or_exporters():
-    text = open(os.path.join(ROOT, "pyproject.toml")).read()
-    packages = text.split("packages = [", 1)[1].split("]", 1)[0]
-    names = [p.strip().strip('"') for p in packages.split(",") if p.strip()]
-    assert all(n == "sere_fx" or n.startswith("sere_fx.") for n in names), names
-    assert '"sere_fx.calibration" = "calibration"' in text and '"sere_fx.exporters" = "exporters"' in text
+def _source_packages() -> dict[str, str]:
+    """Every package of the source tree (a folder with an __init__.py) by the name it installs as."""
+    found = {}
+    for top, name in (("sere_fx", "sere_fx"), ("calibration", "sere_fx.calibration"), ("exporters", "sere_fx.exporters")):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            if "__init__.py" in files:
+                rel = os.path.relpath(folder, os.path.join(ROOT, top))
+                found[name if rel == "." else f"{name}.{rel.replace(os.sep, '.')}"] = folder
+    return found
+
+
+def test_pyproject_installs_every_package_and_kernel_source_under_sere_fx():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    config = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]
+    packages = _source_packages()
+    assert sorted(config["packages"]) == sorted(packages)  # none left out, no top-level calibration/exporters
+    assert config["package-dir"] == {"sere_fx.calibration": "calibration", "sere_fx.exporters": "exporters"}
+    # the kernels build from sources that are not Python: each must ship
+    kernels = packages["sere_fx.kernels"]
+    sources = sorted(f for f in os.listdir(kernels) if f.endswith((".c", ".cpp", ".h")))
+    assert sources and sorted(config["package-data"]["sere_fx.kernels"]) == sources
 
 
 def test_subpackages_are_attributes_without_an_explicit_import():

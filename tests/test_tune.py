@@ -11,7 +11,7 @@ import sere_fx
 from sere_fx.discovery import find_moe_layers
 from sere_fx.evaluate import decode_scores
 from sere_fx.plan import LayerPlan
-from sere_fx.tune import Probe, _choose, default_candidates, tune
+from sere_fx.tuning import Probe, _choose, default_candidates, tune
 from tiny_models import random_similarity, tiny_model
 
 
@@ -92,7 +92,7 @@ def test_bad_arguments(setup):
 
 @pytest.mark.parametrize("seed", range(15))
 def test_choose_within_matches_brute_force(seed):
-    from sere_fx.tune import _choose_within
+    from sere_fx.tuning import _choose_within
 
     rng = random.Random(seed)
     options = {layer: [Probe(layer, LayerPlan("sere", 8, 0.0), 0.0, 60.0)] + [
@@ -144,7 +144,7 @@ def test_paired_standard_error_matches_the_bootstrap():
     """The noise bar a per-layer plan must clear over the best uniform plan: one standard error of
     the paired loss difference, checked against the spread of a paired bootstrap."""
     from sere_fx.evaluate import DecodeScores, paired_bootstrap
-    from sere_fx.tune import _paired_se
+    from sere_fx.tuning import _paired_se
 
     rng = np.random.default_rng(0)
     n, tokens = 400, np.full(400, 96)

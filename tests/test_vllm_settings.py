@@ -163,7 +163,7 @@ def test_plan_with_other_routing_keys_and_bad_plans_fail_in_parse(tmp_path, sim_
     with pytest.raises(SettingsError, match=f'{KEY}\\["S"\\]: the plan file sets it per layer; expected it left out'):
         parse({"sim": sim_file, "plan": str(plan_path), "S": 2})
     bad = tmp_path / "bad.json"
-    save_plan(bad, {0: LayerPlan("sere", 0, 0.1)})
+    bad.write_text(json.dumps({"layers": {"0": {"policy": "sere", "S": 0, "rho": 0.1}}}))  # configs refuse S=0
     with pytest.raises(SettingsError, match=f'{KEY}\\["plan"\\]: layer 0 of .*bad.json.*: S: expected an integer >= 1'):
         parse({"sim": sim_file, "plan": str(bad)})
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch.fx import Graph, Node
 
 from sere_fx.passes.matcher import RoutingMatchError, RoutingSite, _arg
-from sere_fx.plan import LayerPlan
+from sere_fx.config import RoutingConfig
 from sere_fx.policies import INDEX_POLICIES, REFILL_POLICIES, remap_ids, select_topk
 
 
@@ -46,7 +46,7 @@ def _get_attrs(graph: Graph, after: Node, attrs: SiteAttrs) -> tuple[Node, dict]
     return after, nodes
 
 
-def insert_policy(graph: Graph, site: RoutingSite, plan: LayerPlan, max_tokens: int | None, attrs: SiteAttrs,
+def insert_policy(graph: Graph, site: RoutingSite, plan: RoutingConfig, max_tokens: int | None, attrs: SiteAttrs,
                   where: str = "graph") -> Node:
     """Rewrite ``site`` in ``graph`` for the layer's ``plan``; returns the node that now feeds the experts."""
     if plan.policy in INDEX_POLICIES:

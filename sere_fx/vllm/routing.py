@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from sere_fx.kernels import reroute_cpu
-from sere_fx.plan import LayerPlan
+from sere_fx.config import RoutingConfig
 from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select, weight_select
 
 
@@ -103,7 +103,7 @@ class RouterScores:
 class LayerRouting:
     """The policy of one MoE layer, applied to its router's output (see module doc)."""
 
-    def __init__(self, layer: int, plan: LayerPlan, scores: RouterScores, similarity: torch.Tensor | None,
+    def __init__(self, layer: int, plan: RoutingConfig, scores: RouterScores, similarity: torch.Tensor | None,
                  num_experts: int, stats: bool):
         self.layer = layer
         self.num_experts = num_experts

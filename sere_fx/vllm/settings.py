@@ -4,8 +4,8 @@ Everything a user can get wrong fails engine start with one message that names t
 (``additional_config["sere"]["S"]: ...``). ``parse`` checks every key's type and range (and
 reads the plan file) in the calling process, before any worker starts; only what the model
 tells (S against each layer's top-k, the similarity file against its layers) waits for the
-workers. Per-layer settings go through the same
-``sere_fx.plan.build_plan`` as ``transform``, and similarity files through the same
+workers. Settings are parsed into the same routing configs as ``transform``'s
+(``sere_fx.config.routing_spec`` / ``plan_for_layers``), and similarity files go through the same
 ``sere_fx.similarity.resolve``, so a setting means the same thing in both front-ends.
 """
 
@@ -17,8 +17,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sere_fx.plan import LayerPlan, Quantile, build_plan, check_settings, load_plan, plan_settings
-from sere_fx.policies import INDEX_POLICIES
+from sere_fx.config import (
+    INDEX_POLICIES,
+    LayerInfo,
+    Quantile,
+    RoutingConfig,
+    plan_for_layers,
+    restrict,
+    routing_spec,
+    spec_policies,
+)
+from sere_fx.errors import ArgumentError
+from sere_fx.plan import load_plan
 from sere_fx.similarity import Similarity, resolve
 
 SETTINGS_KEY = "sere"
@@ -31,36 +41,27 @@ class SettingsError(ValueError):
     """A bad ``additional_config["sere"]``: the message names the key, the expected and the actual value."""
 
 
-@dataclass(frozen=True)
-class EngineLayer:
-    """One MoE layer as the engine built it (what ``build_plan`` and ``resolve`` need)."""
-
-    index: int  # decoder-layer index, as in similarity files and plans
-    name: str  # the engine's layer name, e.g. model.layers.3.mlp.experts
-    num_experts: int  # logical (global) experts
-    top_k: int
+EngineLayer = LayerInfo  # one MoE layer as the engine built it (what plan_for_layers and resolve need)
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     sim: str | None = None
-    S: object = 2
+    S: object = None  # None: not given (the config's default)
     rho: object = None
     N: object = None
-    policy: object = "sere"
+    policy: object = None
     plan: str | None = None
     decode_only: bool = True
     spec_decode: str = "reroute"
     stats: bool = False
     raw: dict = field(default_factory=dict, compare=False)
-    plan_layers: dict | None = field(default=None, compare=False)  # the plan file as read by ``parse``
+    routing: object = field(default=None, compare=False)  # the settings as configs (config.routing_spec)
 
     @property
     def policies(self) -> set[str]:
         """Every policy some layer is given (by the plan file or by ``policy``)."""
-        if self.plan_layers is not None:
-            return {lp.policy for lp in self.plan_layers.values()}
-        return set(self.policy.values()) if isinstance(self.policy, Mapping) else {self.policy}
+        return spec_policies(self.routing)
 
 
 def _key(name: str) -> str:
@@ -91,10 +92,11 @@ def _rho(value):
     return value
 
 
-def _raise_named(exc: Exception):
-    """A ``build_plan`` / ``check_settings`` error, its argument said as the settings key."""
-    name = str(exc).split(":", 1)[0].split("[", 1)[0]
-    raise SettingsError(f"{_key(name)}{str(exc)[len(name):]}" if name in _KEYS else f"{WHERE}: {exc}") from None
+def _raise_named(exc: ArgumentError):
+    """A config error, its argument said as the settings key."""
+    if exc.arg in _KEYS:
+        raise SettingsError(exc.said_as(_key(exc.arg))) from None
+    raise SettingsError(f"{WHERE}: {exc}") from None
 
 
 def parse(raw) -> EngineSettings:
@@ -123,39 +125,37 @@ def parse(raw) -> EngineSettings:
         rho = _rho(raw.get("rho"))
     except ValueError as exc:
         raise SettingsError(f"{_key('rho')}: {exc}") from None
-    plan_layers = None
-    if raw.get("plan") is not None:
+    plan = raw.get("plan")
+    if plan is not None:
         given = [name for name in ("policy", "S", "rho", "N") if name in raw]
         if given:
             raise SettingsError(f"{_key(given[0])}: the plan file sets it per layer; expected it left out with "
                                 f"\"plan\", got {raw[given[0]]!r}")
         try:
-            plan_layers = load_plan(raw["plan"])
-        except (ValueError, TypeError, OSError) as exc:
+            routing = load_plan(plan)
+        except ArgumentError as exc:
+            if getattr(exc, "layer", None) is not None:
+                raise SettingsError(f"{_key('plan')}: layer {exc.layer} of {os.fspath(plan)!r}: {exc.detail}") from None
             raise SettingsError(f"{_key('plan')}: {exc}") from None
-        for i, lp in sorted(plan_layers.items()):
-            try:
-                check_settings(lp.policy, lp.S, lp.rho, lp.N)
-            except (ValueError, TypeError) as exc:
-                raise SettingsError(f"{_key('plan')}: layer {i} of {os.fspath(raw['plan'])!r}: {exc}") from None
+    else:
+        try:
+            routing = routing_spec(policy=_per_layer_keys("policy", raw.get("policy")), S=_per_layer_keys("S", raw.get("S")),
+                                   rho=rho, N=_per_layer_keys("N", raw.get("N")))
+        except ArgumentError as exc:
+            _raise_named(exc)
     settings = EngineSettings(
         sim=raw.get("sim"),
-        S=_per_layer_keys("S", raw.get("S", 2)),
+        S=_per_layer_keys("S", raw.get("S")),
         rho=rho,
         N=_per_layer_keys("N", raw.get("N")),
-        policy=_per_layer_keys("policy", raw.get("policy", "sere")),
-        plan=raw.get("plan"),
+        policy=_per_layer_keys("policy", raw.get("policy")),
+        plan=plan,
         decode_only=raw.get("decode_only", True),
         spec_decode=spec_decode,
         stats=raw.get("stats", False),
         raw=dict(raw),
-        plan_layers=plan_layers,
+        routing=routing,
     )
-    if plan_layers is None:
-        try:
-            check_settings(settings.policy, settings.S, settings.rho, settings.N)
-        except (ValueError, TypeError) as exc:
-            _raise_named(exc)
     needing = sorted(settings.policies & set(INDEX_POLICIES))
     if settings.sim is None and needing:
         raise SettingsError(f"{_key('sim')}: policy {needing[0]!r} needs a similarity file from `sere-fx calibrate`, "
@@ -171,25 +171,17 @@ def ignored_similarity(settings: EngineSettings) -> str | None:
             f"scores and reads no similarity (only {list(INDEX_POLICIES)} do)")
 
 
-def _only(value, indices):
-    """A per-layer mapping cut to ``indices`` (a pipeline stage's layers); scalars unchanged."""
-    return {i: value[i] for i in indices if i in value} if isinstance(value, Mapping) else value
-
-
 def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architecture: str | None,
                    subset: bool = False):
     """Per-layer plans and similarity matrices for the engine's MoE layers.
 
     ``subset``: the engine holds only some of the model's layers (a pipeline-parallel stage):
     per-layer settings and the similarity file may cover more layers, and each stage takes its own.
-    Returns ``({layer: LayerPlan}, {layer: float32 [E, E]} or None)``.
+    Returns ``({layer: RoutingConfig}, {layer: float32 [E, E]} or None)``.
     """
-    policy, S, rho, N = settings.policy, settings.S, settings.rho, settings.N
-    if settings.plan_layers is not None:  # parse refused plan together with these keys
-        policy, S, rho, N = plan_settings(settings.plan_layers)
+    routing = settings.routing
     if subset:
-        indices = [layer.index for layer in layers]
-        policy, S, rho, N = (_only(v, indices) for v in (policy, S, rho, N))
+        routing = restrict(routing, [layer.index for layer in layers])
     matrices = None
     if settings.sim is not None:
         try:
@@ -211,8 +203,8 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
         except (ValueError, TypeError) as exc:
             raise SettingsError(f"{_key('sim')}: {exc}") from None
     try:
-        plans: dict[int, LayerPlan] = build_plan(layers, policy, S, rho, matrices, N)
-    except (ValueError, TypeError) as exc:
+        plans: dict[int, RoutingConfig] = plan_for_layers(routing, layers, matrices)
+    except ArgumentError as exc:
         _raise_named(exc)
     return plans, matrices
 

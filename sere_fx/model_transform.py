@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sere_fx.config import INDEX_POLICIES, RoutingConfig, needs_similarity, plan_for_layers, routing_spec, spec_policies
 from sere_fx.discovery import check_identity, find_moe_layers
+from sere_fx.errors import argument_error
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
 from sere_fx.passes.trace import graph_forward
-from sere_fx.plan import LayerPlan, build_plan, plan_settings
-from sere_fx.policies import INDEX_POLICIES
 from sere_fx.similarity import as_similarity, resolve
 from sere_fx.stats import LayerStats
 
@@ -40,7 +40,7 @@ DEFAULT_MAX_TOKENS = 256
 class SereSettings:
     """What a transformed model records about itself (exporters write it into artifacts)."""
 
-    layers: dict[int, LayerPlan]
+    layers: dict[int, RoutingConfig]
     max_tokens: int | None
     similarity_fingerprint: str | None
 
@@ -66,34 +66,51 @@ def _fingerprint(matrices: dict[int, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def check_max_tokens(max_tokens) -> None:
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise argument_error("max_tokens", f"max_tokens: expected a positive int or None, got {max_tokens!r}")
+
+
 def transform(
     model: nn.Module,
     sim=None,
-    S=2,
+    config=None,
     rho=None,
     *,
-    policy="sere",
+    S=None,
+    policy=None,
     N=None,
     max_tokens: int | None = DEFAULT_MAX_TOKENS,
     stats: bool = False,
     plan=None,
     experts_implementation: str | None = None,
 ) -> nn.Module:
-    """Make every MoE layer of ``model`` route with ``policy``; returns ``model`` (changed in place).
+    """Make every MoE layer of ``model`` route with a policy; returns ``model`` (changed in place).
+
+    Three spellings of the routing settings, one per call:
+
+        transform(model, sim, SereConfig(S=2, rho=0.5))                 # a config (sere_fx.config)
+        transform(model, None, {3: OEAConfig(S=2), 5: TopKConfig(S=1)})  # one per MoE layer
+        transform(model, sim, S=2, rho=0.5, policy="sere")              # keywords, parsed into configs
+        transform(model, sim, plan="plan.json")                         # a plan from sere_fx.tune
+
+    ``transform(model, sim, 2, 0.5)`` (S and rho by position) means the keyword spelling.
 
     Args:
         model: a transformers MoE model (or any module whose MoE blocks have an ``experts``
             child and a router child that ends in a top-k over the experts).
         sim: a ``Similarity``, a path to a saved one, ``{decoder_layer_index: Tensor[E, E]}``
             or a sequence of ``[E, E]`` tensors in MoE-layer order. Needed by the index
-            policies (``sere``, ``least_similar``, ``random``); ``topk`` and ``oea`` need none.
+            policies (``sere``, ``least_similar``, ``random``); ``topk``, ``oea`` and ``weight`` need none.
+        config: a ``RoutingConfig`` (``SereConfig``, ``OEAConfig``, ``WeightConfig``, ``TopKConfig``,
+            ``LeastSimilarConfig``, ``RandomConfig``) for every MoE layer, or ``{layer: config}``.
         S: primary experts per token (``k0`` for ``oea``), in [1, K]; ``S = K`` leaves
-            routing unchanged. One int, or ``{layer: int}``.
+            routing unchanged. One int, or ``{layer: int}``. Default 2.
         rho: critical threshold of the index policies (default 0.5): a finite float, a
             ``sere_fx.Quantile`` (per layer, from its similarities) or ``{layer: value}``.
-            ``rho <= 0`` re-routes every secondary expert. For ``weight``: the importance an
-            expert needs to be loaded besides the top-S (None: no threshold). Must be None for
-            ``topk``/``oea``.
+            ``rho <= 0`` re-routes every secondary expert. For ``weight``: its ``min_importance``,
+            the importance an expert needs to be loaded besides the top-S (None: no threshold).
+            Must be None for ``topk``/``oea``.
         policy: ``sere`` (default), ``least_similar``, ``random``, ``topk``, ``oea`` or
             ``weight`` (rules in ``sere_fx.policies``); or ``{layer: policy}``.
         N: ``weight`` only: at most N distinct experts per layer per call: an int (a fixed
@@ -104,56 +121,56 @@ def transform(
         stats: record per-layer routing statistics (``sere_fx.routing_stats``); costs a
             device sync per layer call, so leave it off when timing.
         plan: per-layer settings from ``sere_fx.tune`` (a JSON path or dict); replaces
-            ``policy``, ``S``, ``rho`` and ``N``, which must then be left at their defaults.
+            ``config`` and the keywords, which must then be left out.
         experts_implementation: switch a transformers model's experts implementation too,
             e.g. ``"sere_sparse"`` (``sere_fx.kernels.experts_cpu``) or ``"grouped_mm"``.
             Fewer experts only save time if the implementation reads active experts only:
             a warning says so when the model runs one that reads weights per token-slot.
+
+    Every check (settings, similarity, every layer's routing site) runs before anything is
+    installed: on an error the model is left as it was.
     """
     if is_transformed(model):
-        raise ValueError("model: already transformed by sere_fx; call sere_fx.restore(model) first")
-    if experts_implementation is not None:
-        if not hasattr(model, "set_experts_implementation"):
-            raise ValueError(f"experts_implementation: {type(model).__name__} is not a transformers model with "
-                             f"selectable experts implementations, got experts_implementation={experts_implementation!r}")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
+        raise argument_error("model", "model: already transformed by sere_fx; call sere_fx.restore(model) first")
+    if experts_implementation is not None and not hasattr(model, "set_experts_implementation"):
+        raise argument_error("experts_implementation", f"experts_implementation: {type(model).__name__} is not a "
+                             "transformers model with selectable experts implementations, got "
+                             f"experts_implementation={experts_implementation!r}")
+    check_max_tokens(max_tokens)
+    spec = routing_spec(config, policy=policy, S=S, rho=rho, N=N, plan=plan, check=False)  # checked per layer below
     layers = find_moe_layers(model)
-    if plan is not None:
-        policy, S, rho, N = plan_settings(plan, policy, S, rho, N)
-    needs_sim = any(
-        (policy.get(layer.index) if isinstance(policy, dict) else policy) in INDEX_POLICIES for layer in layers
-    )
     matrices = None
     if sim is not None:
         sim = as_similarity(sim)
         matrices = resolve(sim, layers)
         check_identity(sim.metadata, model, layers)
-    elif needs_sim:
-        raise ValueError(f"sim: policy {policy!r} needs expert-similarity matrices, got None")
-    layer_plans = build_plan(layers, policy, S, rho, matrices, N)
+    elif needs_similarity(spec):
+        needing = sorted(p for p in spec_policies(spec) if p in INDEX_POLICIES)
+        raise argument_error("sim", f"sim: policy {needing[0]!r} needs expert-similarity matrices, got None")
+    layer_plans = plan_for_layers(spec, layers, matrices)
+    # Rewrite every router's graph first (the graphs are copies: the model is untouched), then install.
+    prepared = []
     for layer in layers:
         lp = layer_plans[layer.index]
-        router = layer.router
-        device = next((t.device for t in router.parameters()), torch.device("cpu"))
         attrs = SiteAttrs(
-            similarity=SIM_BUFFER if lp.policy in INDEX_POLICIES else None,
+            similarity=SIM_BUFFER if lp.needs_similarity else None,
             stats=STATS_ATTR if stats else None,
             generator=GENERATOR_ATTR if lp.policy == "random" else None,
         )
         insert_policy(layer.graph, layer.site, lp, max_tokens, attrs, where=layer.router_name)
         layer.graph.lint()
-        if attrs.similarity:
-            router.register_buffer(SIM_BUFFER, matrices[layer.index].to(device))
-        if attrs.stats:
-            setattr(router, STATS_ATTR, LayerStats())
-        if attrs.generator:
-            setattr(router, GENERATOR_ATTR, torch.Generator().manual_seed(layer.index))
         for node in layer.graph.nodes:  # example values are not needed any more
             node.meta.pop("val", None)
-        _install_forward(router, layer.graph, layer.index)
-    if experts_implementation is not None:
-        model.set_experts_implementation(experts_implementation)
+        prepared.append((layer, attrs))
+    try:
+        for layer, attrs in prepared:
+            _install(layer, attrs, matrices)
+        if experts_implementation is not None:
+            model.set_experts_implementation(experts_implementation)
+    except BaseException:
+        for layer, _ in prepared:  # all or nothing: no half-transformed model
+            _uninstall(layer.router)
+        raise
     _warn_if_cannot_benefit(model)
     model.sere_settings = SereSettings(
         layers=layer_plans,
@@ -161,6 +178,18 @@ def transform(
         similarity_fingerprint=_fingerprint(matrices) if matrices else None,
     )
     return model
+
+
+def _install(layer, attrs: SiteAttrs, matrices) -> None:
+    router = layer.router
+    device = next((t.device for t in router.parameters()), torch.device("cpu"))
+    if attrs.similarity:
+        router.register_buffer(SIM_BUFFER, matrices[layer.index].to(device))
+    if attrs.stats:
+        setattr(router, STATS_ATTR, LayerStats())
+    if attrs.generator:
+        setattr(router, GENERATOR_ATTR, torch.Generator().manual_seed(layer.index))
+    _install_forward(router, layer.graph, layer.index)
 
 
 # Experts implementations whose cost does not fall with the number of distinct experts.
@@ -198,6 +227,15 @@ def _transformed_routers(model: nn.Module):
             yield module
 
 
+def _uninstall(router: nn.Module) -> None:
+    original = type(router).__dict__.get("_sere_original_class")
+    if original is not None:
+        router.__class__ = original
+    router._buffers.pop(SIM_BUFFER, None)
+    router.__dict__.pop(STATS_ATTR, None)
+    router.__dict__.pop(GENERATOR_ATTR, None)
+
+
 def is_transformed(model: nn.Module) -> bool:
     return next(_transformed_routers(model), None) is not None
 
@@ -205,10 +243,7 @@ def is_transformed(model: nn.Module) -> bool:
 def restore(model: nn.Module) -> nn.Module:
     """Undo ``transform`` in place: original router classes, no similarity buffers."""
     for router in list(_transformed_routers(model)):
-        router.__class__ = type(router)._sere_original_class
-        router._buffers.pop(SIM_BUFFER, None)
-        router.__dict__.pop(STATS_ATTR, None)
-        router.__dict__.pop(GENERATOR_ATTR, None)
+        _uninstall(router)
     model.__dict__.pop("sere_settings", None)
     return model
 
@@ -219,6 +254,6 @@ def routing_stats(model: nn.Module) -> dict[int, LayerStats]:
     for router in _transformed_routers(model):
         s = getattr(router, STATS_ATTR, None)
         if s is None:
-            raise ValueError("model: transformed with stats=False; pass stats=True to sere_fx.transform")
+            raise argument_error("model", "model: transformed with stats=False; pass stats=True to sere_fx.transform")
         out[type(router)._sere_layer_index] = s
     return out

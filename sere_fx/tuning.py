@@ -33,12 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from sere_fx.discovery import find_moe_layers
 from sere_fx.evaluate import DecodeScores, decode_scores
 from sere_fx.plan import LayerPlan, Quantile
 from sere_fx.similarity import as_similarity, resolve
-from sere_fx.transform import restore, transform
+from sere_fx.model_transform import restore, transform
+from sere_fx.errors import ArgumentValueError
 
 METRICS = ("nll", "accuracy")
 DEFAULT_QUANTILES = (0.5, 0.75)
@@ -183,18 +185,18 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     whole-plan evaluations in the budget search (step 3).
     """
     if metric not in METRICS:
-        raise ValueError(f"metric: expected one of {list(METRICS)}, got {metric!r}")
+        raise ArgumentValueError("metric", f"metric: expected one of {list(METRICS)}, got {metric!r}")
     if max_loss is not None and max_experts is not None:
-        raise ValueError(f"max_experts: give a quality budget (max_loss) or an expert budget (max_experts), not both; "
+        raise ArgumentValueError("max_experts", f"max_experts: give a quality budget (max_loss) or an expert budget (max_experts), not both; "
                          f"got max_loss={max_loss!r} and max_experts={max_experts!r}")
     if max_experts is not None:
         if not (isinstance(max_experts, (int, float)) and not isinstance(max_experts, bool)
                 and math.isfinite(max_experts) and 0 < max_experts <= 1):
-            raise ValueError(f"max_experts: expected a fraction of the baseline's experts in (0, 1], got {max_experts!r}")
+            raise ArgumentValueError("max_experts", f"max_experts: expected a fraction of the baseline's experts in (0, 1], got {max_experts!r}")
     elif max_loss is None:
         max_loss = 0.02
     if max_loss is not None and not (isinstance(max_loss, (int, float)) and math.isfinite(max_loss) and max_loss >= 0):
-        raise ValueError(f"max_loss: expected a finite number >= 0, got {max_loss!r}")
+        raise ArgumentValueError("max_loss", f"max_loss: expected a finite number >= 0, got {max_loss!r}")
     layers = find_moe_layers(model)
     sim = as_similarity(sim)
     matrices = resolve(sim, layers)
@@ -215,21 +217,16 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         options[layer.index] = [Probe(layer.index, untouched[layer.index], 0.0, base.distinct[layer.index])]
         for policy, S, rho, *N in candidates or default_candidates(layer.top_k):
             if not 1 <= S <= layer.top_k:
-                raise ValueError(f"candidates: S={S} is outside [1, {layer.top_k}] for layer {layer.index}")
+                raise ArgumentValueError("candidates", f"candidates: S={S} is outside [1, {layer.top_k}] for layer {layer.index}")
             if isinstance(rho, Quantile):
                 rho = rho.resolve(matrices[layer.index])
             jobs.append((layer.index, LayerPlan(policy, S, rho, *N)))
     uniform = _uniform_plans(jobs, layers)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass")
+    bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass", disable=not progress)
     for index, lp in jobs:
         s = run({**untouched, index: lp})
         options[index].append(Probe(index, lp, _loss(base, s, metric), s.distinct[index]))
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
     base_distinct = float(sum(base.distinct.values()) / len(base.distinct))
     target = None if max_experts is None else max_experts * base_distinct  # mean distinct per layer
 
@@ -247,8 +244,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         loss = _loss(base, s, metric)
         if better(loss, s, best):
             best = (plan, loss, s)
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
     best_uniform = best
     budget = max_loss if target is None else target * len(layers)
     rounds = 0
@@ -265,8 +261,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         loss = _loss(base, s, metric)
         if better(loss, s, best):
             best = (plan, loss, s)
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
         if target is None:
             # secant step: the internal budget at which the whole plan would cost exactly max_loss
             scale = max_loss / loss if loss > 0 else 2.0
@@ -274,11 +269,10 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         else:
             # layers interact: scale the summed per-layer budget by how far the whole plan missed
             budget = budget * min(target / s.mean_distinct, 1.05) * (0.99 if s.mean_distinct > target else 1.0)
-    if bar is not None:
-        bar.close()
+    bar.close()
     if best is None:
         smallest = min(s.mean_distinct for s in tried.values()) if tried else base_distinct
-        raise ValueError(f"max_experts: no plan of these candidates reads at most {max_experts:g} of the baseline's "
+        raise ArgumentValueError("max_experts", f"max_experts: no plan of these candidates reads at most {max_experts:g} of the baseline's "
                          f"{base_distinct:.1f} experts per layer (the fewest measured: {smallest:.1f}); allow more "
                          f"experts or add candidates that read fewer, e.g. ('oea', 1, None)")
     if target is not None and best is not best_uniform and best_uniform is not None:

@@ -1,0 +1,405 @@
+"""Routing configs: one frozen dataclass per policy, and the one place their defaults live.
+
+    sere_fx.transform(model, sim, SereConfig(S=2, rho=0.5))
+    sere_fx.transform(model, None, {3: OEAConfig(S=2), 5: WeightConfig(S=1, N=0.6)})  # per layer
+    sere_fx.transform(model, sim, S=2, rho=0.5)  # the keyword spelling: parsed into SereConfig
+
+A config checks its own values when it is built (types and ranges, nothing that depends on a
+model); ``for_layer`` checks it against one MoE layer (S against the layer's top-k) and
+resolves a ``Quantile`` rho on the layer's similarity matrix. ``plan_for_layers`` turns any of
+the spellings (one config, ``{layer: config}``, the keyword bundle ``Keywords``) into one
+config per MoE layer; ``transform``, the compile backend, exporters, ``eval`` specs, plan files,
+the CLI and the vLLM settings all go through it. Errors are ``ArgumentError``s: ``err.arg`` is
+the argument's name (a per-layer value adds ``[layer]`` to the message).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from sere_fx.errors import ArgumentError, argument_error
+
+
+@dataclass(frozen=True)
+class Quantile:
+    """``rho`` as the q-quantile of a layer's off-diagonal similarities (q in [0, 1])."""
+
+    q: float
+
+    def __post_init__(self):
+        if isinstance(self.q, bool) or not (isinstance(self.q, (int, float)) and 0 <= self.q <= 1):
+            raise argument_error("Quantile.q", f"Quantile.q: expected a number in [0, 1], got {self.q!r}")
+
+    def resolve(self, matrix: torch.Tensor) -> float:
+        e = matrix.shape[0]
+        off = matrix[~torch.eye(e, dtype=torch.bool, device=matrix.device)].double()
+        return float(torch.quantile(off, self.q)) if off.numel() else 0.0
+
+
+class MoELayerInfo(Protocol):
+    """What a config needs to know of an MoE layer (``discovery.MoELayer``, ``LayerInfo``)."""
+
+    index: int  # decoder-layer index, as in similarity files and plans
+    name: str
+    num_experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """An MoE layer seen by a front-end that has no module to trace (a compiled graph, an engine)."""
+
+    index: int
+    name: str  # e.g. model.layers.3.mlp.experts
+    num_experts: int  # logical (global) experts
+    top_k: int
+
+
+def finite_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise argument_error(name, f"{name}: expected a finite float, got {value!r} ({type(value).__name__})", TypeError)
+    if not math.isfinite(value):
+        raise argument_error(name, f"{name}: expected a finite float, got {value}")
+    return float(value)
+
+
+def _check_top_k(S: int, layer: MoELayerInfo) -> None:
+    if not 1 <= S <= layer.top_k:
+        raise argument_error("S", f"S: expected an integer in [1, {layer.top_k}] (top-k of {layer.name}), got {S}")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Settings every policy has: ``S``, the experts each token keeps as its own (``k0`` for OEA)."""
+
+    S: int = 2
+
+    policy: ClassVar[str]
+    needs_similarity: ClassVar[bool] = False  # reads an expert-similarity matrix
+    rho = None  # the field of the index policies (``weight``: its importance threshold)
+    N = None  # ``weight`` only: its expert budget
+
+    def __post_init__(self):
+        if isinstance(self.S, bool) or not isinstance(self.S, int):
+            raise argument_error("S", f"S: expected an int, got {self.S!r} ({type(self.S).__name__})", TypeError)
+        if self.S < 1:
+            raise argument_error("S", f"S: expected an integer >= 1, got {self.S}")
+
+    def for_layer(self, layer: MoELayerInfo, matrix: torch.Tensor | None = None) -> "RoutingConfig":
+        """This config checked against ``layer`` (and with a ``Quantile`` resolved on ``matrix``)."""
+        _check_top_k(self.S, layer)
+        return self
+
+    def as_dict(self) -> dict:
+        """The plan-file entry: ``{"policy", "S", "rho"}`` (and ``"N"`` for ``weight`` with a budget)."""
+        d = {"policy": self.policy, "S": self.S, "rho": self.rho}
+        if self.N is not None:
+            d["N"] = self.N
+        return d
+
+
+@dataclass(frozen=True)
+class SereConfig(RoutingConfig):
+    """``sere``: a token's experts past its top-S go to the most similar primary expert, unless even
+    the best match is below ``rho`` (a float, or a ``Quantile`` of the layer's similarities)."""
+
+    rho: float | Quantile = 0.5
+
+    policy: ClassVar[str] = "sere"
+    needs_similarity: ClassVar[bool] = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.rho, Quantile):
+            object.__setattr__(self, "rho", finite_float("rho", self.rho))
+
+    def for_layer(self, layer, matrix=None):
+        super().for_layer(layer)
+        if isinstance(self.rho, Quantile):
+            if matrix is None:
+                raise argument_error("rho", f"rho: {self.rho!r} is resolved on a similarity matrix; "
+                                            f"got none for layer {layer.index}")
+            return dataclasses.replace(self, rho=self.rho.resolve(matrix))
+        return self
+
+
+@dataclass(frozen=True)
+class LeastSimilarConfig(SereConfig):
+    """Ablation: SERE's primary and critical experts, a re-routed slot to the *least* similar primary."""
+
+    policy: ClassVar[str] = "least_similar"
+
+
+@dataclass(frozen=True)
+class RandomConfig(SereConfig):
+    """Ablation: SERE's primary and critical experts, a re-routed slot to a random primary."""
+
+    policy: ClassVar[str] = "random"
+
+
+@dataclass(frozen=True)
+class TopKConfig(RoutingConfig):
+    """``topk``: each token keeps only its top-S experts."""
+
+    policy: ClassVar[str] = "topk"
+
+
+@dataclass(frozen=True)
+class OEAConfig(RoutingConfig):
+    """``oea``: each token keeps its top-S and refills its other slots from the batch's loaded set."""
+
+    policy: ClassVar[str] = "oea"
+
+
+@dataclass(frozen=True)
+class WeightConfig(RoutingConfig):
+    """``weight``: the loaded set is every token's top-S, plus experts whose importance is at least
+    ``min_importance``, at most ``N`` in all (an int: a count; a float in (0, 1): that fraction of
+    the experts the call's tokens picked). Give ``N``, ``min_importance`` or both."""
+
+    N: int | float | None = None
+    min_importance: float | None = None
+
+    policy: ClassVar[str] = "weight"
+
+    def __post_init__(self):
+        super().__post_init__()
+        m = self.min_importance
+        if isinstance(m, Quantile):
+            raise argument_error("min_importance", "min_importance: policy 'weight' takes an importance threshold "
+                                                   f"(a float >= 0), not a similarity quantile; got {m!r}")
+        if m is not None:
+            m = finite_float("min_importance", m)
+            if m < 0:
+                raise argument_error("min_importance", "min_importance: expected an importance threshold >= 0 for "
+                                                       f"policy 'weight', got {m}")
+            object.__setattr__(self, "min_importance", m)
+        n = self.N
+        if n is None and m is None:
+            raise argument_error("N", "N: policy 'weight' needs N (experts per call), min_importance (an importance "
+                                      "threshold) or both; got neither")
+        count = isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        fraction = isinstance(n, float) and 0 < n < 1
+        if n is not None and not (count or fraction):
+            raise argument_error("N", "N: expected a positive int (experts per call), a float in (0, 1) (a fraction "
+                                      f"of the experts the call's tokens picked) or None, got {n!r}")
+
+    @property
+    def rho(self) -> float | None:  # the keyword spelling and plan files call it rho
+        return self.min_importance
+
+
+CONFIGS: dict[str, type[RoutingConfig]] = {
+    c.policy: c for c in (SereConfig, LeastSimilarConfig, RandomConfig, TopKConfig, OEAConfig, WeightConfig)
+}
+POLICIES = tuple(CONFIGS)
+INDEX_POLICIES = tuple(p for p, c in CONFIGS.items() if c.needs_similarity)  # take rho, read a similarity
+DEFAULT_POLICY = "sere"  # of the keyword spelling, when no policy is named
+
+
+def config(policy: str | None = None, S: int | None = None, rho=None, N=None) -> RoutingConfig:
+    """One layer's config from the keyword spelling; None is "not given" (the config's default).
+
+    ``rho`` is the similarity threshold of the index policies and ``weight``'s ``min_importance``;
+    errors say the keyword (``rho``), not the field.
+    """
+    policy = DEFAULT_POLICY if policy is None else policy
+    if policy not in CONFIGS:
+        raise argument_error("policy", f"policy: expected one of {list(POLICIES)}, got {policy!r}")
+    cls = CONFIGS[policy]
+    kwargs = {} if S is None else {"S": S}
+    if cls is WeightConfig:
+        kwargs.update(N=N, min_importance=rho)
+    else:
+        if N is not None:
+            raise argument_error("N", f"N: only policy 'weight' takes an expert budget (leave it None for {policy!r}), "
+                                      f"got {N!r}")
+        if cls.needs_similarity:
+            if rho is not None:
+                kwargs["rho"] = rho
+        elif rho is not None:
+            raise argument_error("rho", f"rho: policy {policy!r} does not use rho (leave it None), got {rho!r}")
+    try:
+        return cls(**kwargs)
+    except ArgumentError as exc:
+        if exc.arg == "min_importance":
+            raise exc.renamed("rho", words={"min_importance": "rho"}) from None
+        if "min_importance" in exc.message:
+            raise exc.renamed(exc.arg, words={"min_importance": "rho"}) from None
+        raise
+
+
+def from_dict(entry: Mapping, layer: int) -> RoutingConfig:
+    """A plan-file entry (``RoutingConfig.as_dict``) of decoder layer ``layer`` as a config; errors
+    name ``plan[layer]`` (a bad value also carries ``err.layer`` and the value's own ``err.detail``)."""
+    where = f"plan[{layer}]"
+    if set(entry) - {"policy", "S", "rho", "N"} or not {"policy", "S"} <= set(entry):
+        raise argument_error("plan", f"{where}: expected keys policy, S, rho and N, got {sorted(entry)}")
+    try:
+        return config(entry["policy"], entry["S"], entry.get("rho"), entry.get("N"))
+    except ArgumentError as exc:
+        err = argument_error("plan", f"{where}: {exc.message}", exc._kind())
+        err.layer, err.detail = layer, exc.message  # for front-ends that say where the plan file is
+        raise err from None
+
+
+_KEYWORDS = ("policy", "S", "rho", "N")
+
+
+@dataclass(frozen=True)
+class Keywords:
+    """The keyword spelling: each of ``policy``, ``S``, ``rho``, ``N`` one value for every MoE layer or
+    ``{decoder_layer_index: value}``; None: not given."""
+
+    policy: object = None
+    S: object = None
+    rho: object = None
+    N: object = None
+
+    @property
+    def given(self) -> list[str]:
+        return [name for name in _KEYWORDS if getattr(self, name) is not None]
+
+    @property
+    def policies(self) -> set[str]:
+        p = self.policy
+        return set(p.values()) if isinstance(p, Mapping) else {DEFAULT_POLICY if p is None else p}
+
+    def _at(self, key, layer=None):
+        """One layer's config; errors name the argument with ``[key]`` where it was a mapping. With
+        ``layer``, an int S outside its top-k range is said against the layer."""
+        values = {name: getattr(self, name) for name in _KEYWORDS}
+        picked = {name: v.get(key) if isinstance(v, Mapping) else v for name, v in values.items()}
+        try:
+            s = picked["S"]
+            if layer is not None and isinstance(s, int) and not isinstance(s, bool) and not 1 <= s <= layer.top_k:
+                _check_top_k(s, layer)
+            return config(**picked)
+        except ArgumentError as exc:
+            if isinstance(values.get(exc.arg), Mapping):
+                raise exc.renamed(exc.arg, suffix=f"[{key}]") from None
+            raise
+
+    def check(self) -> None:
+        """The model-independent checks, for every layer a mapping names (the model's own layers are
+        checked by ``plan_for_layers``)."""
+        keys = sorted({k for name in _KEYWORDS if isinstance(v := getattr(self, name), Mapping) for k in v})
+        for key in keys or [None]:
+            if any(isinstance(v := getattr(self, name), Mapping) and key not in v for name in ("policy", "S")):
+                continue  # a layer a mapping leaves out: plan_for_layers names it against the model
+            self._at(key)
+
+    def for_layers(self, layers) -> dict:
+        """``{layer: config}`` for ``layers``; a mapping must name exactly their indices."""
+        want = [layer.index for layer in layers]
+        for name in _KEYWORDS:
+            value = getattr(self, name)
+            if isinstance(value, Mapping) and sorted(value) != want:
+                raise argument_error(name, f"{name}: expected values for the MoE decoder layers {want}, "
+                                           f"got layers {sorted(value)}")
+        return {layer.index: self._at(layer.index, layer) for layer in layers}
+
+
+def routing_spec(config=None, *, policy=None, S=None, rho=None, N=None, plan=None, check: bool = True):
+    """What a caller asked for, in one of three spellings, checked as far as no model is needed.
+
+    ``config``: a ``RoutingConfig`` or ``{layer: RoutingConfig}`` (an int: ``S`` given by position,
+    as in ``transform(model, sim, 2, 0.5)``); ``plan``: a plan (anything
+    ``sere_fx.plan.load_plan`` reads); else the keywords. Spellings do not mix: a keyword given
+    beside a config or a plan would be overridden, so it is an error. Returns a ``RoutingConfig``,
+    ``{layer: RoutingConfig}`` or ``Keywords``. ``check=False`` leaves the keywords' values to
+    ``plan_for_layers`` (a caller that has the model says S against each layer's top-k).
+    """
+    if isinstance(config, int) and not isinstance(config, bool):  # transform(model, sim, 2, 0.5): S by position
+        if S is not None:
+            raise argument_error("S", f"S: given by position ({config}) and by name ({S!r}); give it once")
+        config, S = None, config
+    keywords = Keywords(policy, S, rho, N)
+    for other, name in ((config, "config"), (plan, "plan")):
+        if other is not None and keywords.given:
+            given = keywords.given[0]
+            what = "a plan sets it per layer" if name == "plan" else "the config sets it"
+            raise argument_error(given, f"{given}: {what}; got {given}={getattr(keywords, given)!r} as well")
+    if config is not None and plan is not None:
+        raise argument_error("plan", "plan: give a config or a plan, not both; got both")
+    if plan is not None:
+        from sere_fx.plan import load_plan
+
+        return load_plan(plan)
+    if config is None:
+        config = keywords
+    if isinstance(config, (RoutingConfig, Keywords)):
+        if isinstance(config, Keywords) and check:
+            config.check()
+        return config
+    if isinstance(config, Mapping):
+        for k, v in config.items():
+            if isinstance(k, bool) or not isinstance(k, int):
+                raise argument_error("config", f"config: expected decoder-layer indices (int) as keys, got {k!r}",
+                                     TypeError)
+            if not isinstance(v, RoutingConfig):
+                raise argument_error("config", f"config[{k}]: expected a RoutingConfig (SereConfig, OEAConfig, ...), "
+                                               f"got {type(v).__name__}", TypeError)
+        return dict(config)
+    raise argument_error("config", "config: expected a RoutingConfig (SereConfig, OEAConfig, ...) or "
+                                   f"{{layer: RoutingConfig}}, got {type(config).__name__}", TypeError)
+
+
+def spec_policies(spec) -> set[str]:
+    """Every policy a spec (``routing_spec``'s result) gives some layer."""
+    if isinstance(spec, Keywords):
+        return spec.policies
+    if isinstance(spec, RoutingConfig):
+        return {spec.policy}
+    return {c.policy for c in spec.values()}
+
+
+def needs_similarity(spec) -> bool:
+    """Whether some layer's policy reads an expert-similarity matrix."""
+    return any(CONFIGS[p].needs_similarity for p in spec_policies(spec) if p in CONFIGS)
+
+
+def restrict(spec, indices):
+    """A spec cut to the layers ``indices`` (a pipeline stage's, a compiled graph's); per-layer
+    values for other layers are dropped, one config for every layer stays as it is."""
+    indices = set(indices)
+    if isinstance(spec, Keywords):
+        return Keywords(*({i: v for i, v in value.items() if i in indices} if isinstance(value, Mapping) else value
+                          for value in (getattr(spec, name) for name in _KEYWORDS)))
+    if isinstance(spec, RoutingConfig):
+        return spec
+    return {i: c for i, c in spec.items() if i in indices}
+
+
+def plan_for_layers(spec, layers, matrices: Mapping[int, torch.Tensor] | None = None) -> dict[int, RoutingConfig]:
+    """One config per MoE layer of ``layers`` (objects with ``index``, ``name``, ``num_experts``,
+    ``top_k``), checked against each layer; ``matrices``: ``{layer: [E, E]}`` to resolve quantiles."""
+    if isinstance(spec, Keywords):
+        per_layer = spec.for_layers(layers)
+        suffix = {name: isinstance(getattr(spec, name), Mapping) for name in _KEYWORDS}
+    elif isinstance(spec, RoutingConfig):
+        per_layer = {layer.index: spec for layer in layers}
+        suffix = {}
+    else:
+        want = [layer.index for layer in layers]
+        if sorted(spec) != want:
+            raise argument_error("config", f"config: expected configs for the MoE decoder layers {want}, "
+                                           f"got layers {sorted(spec)}")
+        per_layer = dict(spec)
+        suffix = dict.fromkeys(("S", "rho", "N", "min_importance"), True)
+    out = {}
+    for layer in layers:
+        i = layer.index
+        try:
+            out[i] = per_layer[i].for_layer(layer, None if matrices is None else matrices.get(i))
+        except ArgumentError as exc:
+            if suffix.get(exc.arg):
+                raise exc.renamed(exc.arg, suffix=f"[{i}]") from None
+            raise
+    return out
