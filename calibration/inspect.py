@@ -70,9 +70,12 @@ def plot(sim: Similarity, out_dir: str | os.PathLike) -> list[str]:
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
+    im = None
     for ax, layer in zip(axes.flat, sim):
-        ax.imshow(sim[layer].numpy(), vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
+        im = ax.imshow(sim[layer].numpy(), vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
         ax.set_title(f"layer {layer}", fontsize=9)
+    if im is not None:  # one scale for every panel (vmin/vmax fixed), so one colour bar
+        fig.colorbar(im, ax=list(axes.flat), fraction=0.046 / rows, label=f"{method} similarity")
     fig.suptitle(f"{method} similarity, all MoE layers")
     path = os.path.join(out_dir, "overview.png")
     fig.savefig(path, dpi=100, bbox_inches="tight")

@@ -33,11 +33,15 @@ class Timing:
 
 
 def seconds(fn: Callable[[], object], number: int = 1) -> float:
-    """Seconds per call of ``fn``, over ``number`` back-to-back calls (``torch.utils.benchmark``:
-    it synchronises the GPU around the timed region when one is present)."""
-    from torch.utils.benchmark import Timer
+    """Seconds per call of ``fn``, over ``number`` back-to-back calls. The clock is
+    ``torch.utils.benchmark.timer``: it synchronises the accelerator (if any) when read, so queued
+    GPU work is inside the timed region."""
+    from torch.utils.benchmark import timer
 
-    return Timer(stmt="fn()", globals={"fn": fn}).timeit(number).mean
+    start = timer()
+    for _ in range(number):
+        fn()
+    return (timer() - start) / number
 
 
 def time_fn(fn: Callable[[], object], repeats: int = 10, warmup: int = 2, number: int = 1,

@@ -172,18 +172,19 @@ def _windows(args, tokenizer, seq_len: int):
 
 
 def cmd_eval(args) -> int:
+    from sere_fx.errors import ArgumentError
     from sere_fx.evaluate import DEFAULT_POLICIES, evaluate, parse_policy
 
     args.policies = args.policies or list(DEFAULT_POLICIES)
+    specs = []
     for spec in args.policies:  # before any model is loaded: syntax, values, plan files
         try:
-            parsed = parse_policy(spec)
-            if parsed.kwargs is not None:
-                parsed.routing()
-        except ValueError as exc:
+            specs.append(parse_policy(spec))
+            if specs[-1].kwargs is not None:
+                specs[-1].routing()
+        except (ValueError, ArgumentError) as exc:
             return _error("eval", f"--policies: {exc}")
-
-    labels = list(dict.fromkeys(["baseline"] + [parse_policy(spec).label for spec in args.policies]))
+    labels = list(dict.fromkeys(["baseline"] + [s.label for s in specs]))
     for pair in args.compare or []:
         for label in pair:
             if label not in labels:
@@ -194,14 +195,23 @@ def cmd_eval(args) -> int:
         return _error("eval", f"--batch-size: expected at most --num-seqs ({args.num_seqs}), got {args.batch_size}: "
                               "every decode step must carry a full batch")
     _check_data(args)
+    _load_model_dir_checks(args.model)
+    needing = next((s for s in specs if s.kwargs is not None and s.needs_sim()), None)
+    if needing is not None and args.sim is None:
+        return _error("eval", f"--sim: policy {needing.label!r} needs expert-similarity matrices, got None")
     sim = _load_sim(args.sim)
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     if windows.shape[0] < args.batch_size:
         return _error("eval", f"--batch-size: expected at most the {windows.shape[0]} sequences {args.data} gives, "
                               f"got {args.batch_size}")
-    report = evaluate(model, windows, args.policies, sim, batch_size=args.batch_size, prefill=args.prefill,
-                      max_tokens=args.max_tokens)
+    try:
+        report = evaluate(model, windows, args.policies, sim, batch_size=args.batch_size, prefill=args.prefill,
+                          max_tokens=args.max_tokens)
+    except ArgumentError as exc:
+        if exc.arg == "policy":  # a spec the model refuses (S above a layer's top-k), before the baseline pass
+            return _error("eval", f"--policies: {exc}")
+        raise
     dropped = report.config["dropped_sequences"]
     if dropped:
         print(f"note: {dropped} of {windows.shape[0]} sequences left out: not a full batch of {args.batch_size}",

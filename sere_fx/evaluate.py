@@ -279,6 +279,28 @@ class EvalReport:
         return paths
 
 
+def _annotate(ax, points) -> list:
+    """Label each point with its full spec (``oea:S=2``, not ``S=2``). A label that would cover an
+    earlier one moves up (with a thin line to its point) until it is clear, measured in pixels."""
+    ax.figure.canvas.draw()  # fixes the axis limits, so data -> pixel positions are final
+    renderer = ax.figure.canvas.get_renderer()
+    placed, texts = [], []
+    for x, y, label in sorted(points, key=lambda p: (p[1], p[0])):
+        text = ax.annotate(label, (x, y), textcoords="offset pixels", xytext=(6, 4), fontsize=7)
+        box = text.get_window_extent(renderer)
+        while any(box.overlaps(other) for other in placed):
+            text.xyann = (text.xyann[0], text.xyann[1] + box.height + 1)
+            box = text.get_window_extent(renderer)
+        if text.xyann[1] > 4:  # moved: the same label again, with a line to its point
+            offset = text.xyann
+            text.remove()
+            text = ax.annotate(label, (x, y), textcoords="offset pixels", xytext=offset, fontsize=7,
+                               arrowprops=dict(arrowstyle="-", lw=0.4, alpha=0.5))
+        placed.append(box)
+        texts.append(text)
+    return texts
+
+
 def pareto_plot(report: EvalReport, path: str) -> None:
     """Retention and NLL increase vs distinct experts, with 95% intervals: one colour per policy,
     its settings joined by a line (sorted by experts), so each policy's front reads at a glance."""
@@ -294,15 +316,15 @@ def pareto_plot(report: EvalReport, path: str) -> None:
     panels = ((axes[0], "retention", "retention_ci", "accuracy retention vs baseline (95% CI)"),
               (axes[1], "dnll", "dnll_ci", "NLL increase vs baseline, nats/token (95% CI)"))
     for ax, key, ci, ylabel in panels:
+        labelled = []
         for name, rs in families.items():
             rs = sorted(rs, key=lambda r: r.distinct)
             y = [getattr(r, key) for r in rs]
             yerr = [[v - getattr(r, ci)[0] for v, r in zip(y, rs)], [getattr(r, ci)[1] - v for v, r in zip(y, rs)]]
             ax.errorbar([r.distinct for r in rs], y, yerr=yerr, fmt="o-" if len(rs) > 1 else "o", capsize=3,
                         label=name, alpha=0.85)
-            for r, v in zip(rs, y):
-                ax.annotate(r.label.split(":", 1)[-1], (r.distinct, v), textcoords="offset points", xytext=(5, 4),
-                            fontsize=7)
+            labelled.extend((r.distinct, v, r.label) for r, v in zip(rs, y))
+        _annotate(ax, labelled)
         ax.set_xlabel("distinct experts per layer per decode step (lower = faster)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

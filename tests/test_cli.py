@@ -167,6 +167,48 @@ def test_unexpected_errors_are_one_line_unless_debugging(tmp_path, capsys, monke
         main([str(a) for a in argv] + ["--debug"])
 
 
+def test_eval_checks_every_spec_and_option_before_any_decoding(tmp_path, capsys, monkeypatch):
+    """Mistakes a decode pass would only reveal minutes later fail first, one line each."""
+    import sere_fx.evaluate as ev
+    from sere_fx.resources import testbed_model, testbed_text
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded before every argument was checked")
+
+    monkeypatch.setattr(ev, "decode_scores", no_decoding)
+    model, text = testbed_model(), testbed_text()
+    nowhere = tmp_path / "nowhere"  # a model that is never reached: these fail before it loads
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (["eval", "--model", nowhere, "--data", text, "--policies", "plan:missing.json"],
+         "--policies: policy: 'plan:missing.json': plan: no plan file at 'missing.json'"),
+        (["eval", "--model", nowhere, "--data", text, "--policies", "weight:S=1"],
+         "--policies: policy: 'weight:S=1': N: policy 'weight' needs N (experts per call), rho (an importance "
+         "threshold) or both; got neither"),
+        (["eval", "--model", model, "--data", text, "--policies", "oea:S=2", "sere:S=2"],
+         "--sim: policy 'sere:S=2' needs expert-similarity matrices, got None"),
+        (["eval", "--model", nowhere, "--data", text, "--policies", "oea:S=2", "--compare", "baseline", "oea:S=1"],
+         "--compare: expected labels among --policies ['baseline', 'oea:S=2'], got 'oea:S=1'"),
+        (["eval", "--model", nowhere, "--data", text, "--token-range", "9:3"],
+         "--token-range: expected 0 <= START < END, got '9:3'"),
+        (["eval", "--model", nowhere, "--data", text, "--out-dir", tmp_path / "file"],
+         f"--out-dir: expected a folder for the results, got '{tmp_path / 'file'}' (a file)"),
+        (["tune", "--model", nowhere, "--sim", "x", "--data", text, "--token-range", "a:b", "--out", tmp_path / "p.json"],
+         "--token-range: expected 'START:END' (either may be empty), got 'a:b'"),
+        (["generate", "--model", model, "--artifact", tmp_path / "file", "--prompt", "x"],
+         f"--artifact: '{tmp_path / 'file'}' is not a sere-fx artifact"),
+        # S against each layer's top-k needs the model: it loads, and the baseline pass never starts
+        (["eval", "--model", model, "--data", text, "--num-seqs", "4", "--batch-size", "4", "--policies", "oea:S=2",
+          "oea:S=9"],
+         "--policies: policy: 'oea:S=9': S: expected an integer in [1, 8] (top-k of model.layers.0.mlp), got 9"),
+    ]
+    for argv, message in cases:
+        rc, _, err = cli(capsys, *argv)
+        lines = [line for line in err.splitlines() if line.startswith("sere-fx")]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"sere-fx {argv[0]}: error: {message}"), (argv, err)
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_demo_as_the_readme_runs_it(tmp_path, capsys, monkeypatch):
     import re
 

@@ -177,3 +177,28 @@ def test_decode_loop_uses_the_current_cache_argument(setup):
         decoder = CachedDecode(model)
         decoder.prefill(windows[:, :4])
         decoder.step(windows[:, 4:5])
+
+
+def test_pareto_labels_name_the_policy_and_do_not_overlap():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sere_fx.evaluate import _annotate
+
+    # the demo's crowded corner: four settings within half an expert of each other
+    points = [(60.0, 1.0, "baseline"), (36.0, 0.970, "sere:S=2,rho=0"), (36.3, 0.980, "oea:S=2"),
+              (35.8, 0.9805, "weight:S=1,N=0.6"), (36.1, 0.9702, "topk:S=2"), (50.0, 0.99, "sere:S=2,rho=0.5")]
+    fig, ax = plt.subplots(figsize=(7, 5.5))
+    ax.scatter([p[0] for p in points], [p[1] for p in points])
+    texts = _annotate(ax, points)
+    fig.canvas.draw()
+    from matplotlib.text import Text
+
+    boxes = [Text.get_window_extent(t) for t in texts]  # the label itself, not its line to the point
+    assert sorted(t.get_text() for t in texts) == sorted(p[2] for p in points)
+    for i in range(len(boxes)):
+        for j in range(i):
+            assert not boxes[i].overlaps(boxes[j]), (texts[i].get_text(), texts[j].get_text())
+    plt.close(fig)
