@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
     import sere_fx  # noqa: F401  (registers sere.reroute)
-    from sere_fx.plan import LayerPlan
+    from sere_fx import OEAConfig, SereConfig, TopKConfig, WeightConfig
     from sere_fx.vllm import engine
     from sere_fx.vllm.routing import LayerRouting, RouterScores, install
 
@@ -68,8 +68,8 @@ def main(argv=None) -> dict:
     torch.inference_mode().__enter__()  # as vLLM runs its forward passes
     plain = CPURouter(top_k=K, global_num_experts=E, renormalize=True)
     results["router"] = timed(lambda: plain._compute_routing(hidden, logits, None), args.repeats)
-    for name, plan in [("sere", LayerPlan("sere", args.S, 0.0)), ("oea", LayerPlan("oea", args.S)),
-                       ("topk", LayerPlan("topk", args.S)), ("weight", LayerPlan("weight", 1, None, 0.6))]:
+    for name, plan in [("sere", SereConfig(S=args.S, rho=0.0)), ("oea", OEAConfig(S=args.S)),
+                       ("topk", TopKConfig(S=args.S)), ("weight", WeightConfig(S=1, N=0.6))]:
         router = CPURouter(top_k=K, global_num_experts=E, renormalize=True)
         install(router, LayerRouting(0, plan, RouterScores.of(router), sim, E, False))
         results[f"router+{name}"] = timed(lambda r=router: r._compute_routing(hidden, logits, None), args.repeats)

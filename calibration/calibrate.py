@@ -11,12 +11,13 @@ import time
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from sere_fx.calibration.expert_outputs import ExpertOutputs
 from sere_fx.calibration.methods import DEFAULT_CKA_SAMPLE, METHODS, accumulator
 from sere_fx.discovery import find_moe_layers, model_identity
-from sere_fx.similarity import Similarity
 from sere_fx.errors import ArgumentTypeError, ArgumentValueError
+from sere_fx.similarity import Similarity
 
 
 def _as_batch(batch):
@@ -82,11 +83,7 @@ def calibrate(
     handles = [layer.experts.register_forward_pre_hook(make_hook(layer.index)) for layer in layers]
     device = next(model.parameters()).device
     tokens, start = 0, time.perf_counter()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc=f"calibrate ({method})", unit="batch")
+    bar = tqdm(total=total, desc=f"calibrate ({method})", unit="batch", disable=not progress)
     try:
         was_training = model.training
         model.eval()
@@ -97,15 +94,13 @@ def calibrate(
             state["mask"] = None if mask is None else mask.reshape(-1).bool()
             model(input_ids=ids, attention_mask=mask, use_cache=False)
             tokens += int(mask.sum()) if mask is not None else ids.numel()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.perf_counter() - start):.0f}")
+            bar.update(1)
+            bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.perf_counter() - start):.0f}", refresh=False)
         model.train(was_training)
     finally:
         for h in handles:
             h.remove()
-        if bar is not None:
-            bar.close()
+        bar.close()
     if tokens == 0:
         raise ArgumentValueError("batches", "batches: no calibration tokens (empty iterable or all padding)")
     matrices = {index: acc.finalize() for index, acc in accs.items()}

@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from sere_fx.exporters.export import package_settings, pt2_settings, read_settings
 from sere_fx.errors import ArgumentValueError
+from sere_fx.exporters.export import package_settings, pt2_settings, read_settings
 
 
 class Runner:

@@ -118,7 +118,7 @@ def _finite_float(text: str) -> float:
 
 
 def _budget(text: str) -> int | float:
-    """``--N``: an int (a count) or a float (a fraction); plan.build_plan checks the range."""
+    """``--N``: an int (a count) or a float (a fraction); the config checks the range."""
     from sere_fx.plan import parse_budget
 
     try:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from sere_fx.errors import ArgumentValueError
 from sere_fx.passes.matcher import RoutingMatchError, RoutingSite, describe_topks, match_router, op_kind
 from sere_fx.passes.trace import annotate_shapes, trace_module
-from sere_fx.errors import ArgumentValueError
 
 # ``model.layers.3.mlp`` (module names), ``L['self'].model.layers[3]`` / ``layers['3']`` (Dynamo's
 # nn_module_stack paths)

@@ -285,10 +285,13 @@ def _annotate(ax, points) -> list:
     ax.figure.canvas.draw()  # fixes the axis limits, so data -> pixel positions are final
     renderer = ax.figure.canvas.get_renderer()
     placed, texts = [], []
-    for x, y, label in sorted(points, key=lambda p: (p[1], p[0])):
+    finite = [p for p in points if math.isfinite(p[0]) and math.isfinite(p[1])]  # NaN retention: not drawn
+    for x, y, label in sorted(finite, key=lambda p: (p[1], p[0])):
         text = ax.annotate(label, (x, y), textcoords="offset pixels", xytext=(6, 4), fontsize=7)
         box = text.get_window_extent(renderer)
-        while any(box.overlaps(other) for other in placed):
+        for _ in range(2 * len(placed)):  # labels are placed bottom-up: a few moves clear the ones below
+            if not any(box.overlaps(other) for other in placed):
+                break
             text.xyann = (text.xyann[0], text.xyann[1] + box.height + 1)
             box = text.get_window_extent(renderer)
         if text.xyann[1] > 4:  # moved: the same label again, with a line to its point

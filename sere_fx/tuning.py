@@ -35,12 +35,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from sere_fx.config import Quantile, RoutingConfig, SereConfig, config
 from sere_fx.discovery import find_moe_layers
-from sere_fx.evaluate import DecodeScores, decode_scores
-from sere_fx.plan import LayerPlan, Quantile
-from sere_fx.similarity import as_similarity, resolve
-from sere_fx.model_transform import restore, transform
 from sere_fx.errors import ArgumentValueError
+from sere_fx.evaluate import DecodeScores, decode_scores
+from sere_fx.model_transform import restore, transform
+from sere_fx.similarity import as_similarity, resolve
 
 METRICS = ("nll", "accuracy")
 DEFAULT_QUANTILES = (0.5, 0.75)
@@ -84,14 +84,14 @@ def _paired_se(base: DecodeScores, a: DecodeScores, b: DecodeScores, metric: str
 @dataclass
 class Probe:
     layer: int
-    plan: LayerPlan
+    plan: RoutingConfig
     loss: float
     distinct: float
 
 
 @dataclass
 class TuneResult:
-    plan: dict[int, LayerPlan]
+    plan: dict[int, RoutingConfig]
     loss: float  # of the whole plan on the tuning text
     distinct: float  # mean distinct experts per layer per step, whole plan
     baseline_distinct: float
@@ -160,7 +160,7 @@ def _choose_within(options: dict[int, list[Probe]], max_distinct: float, resolut
     return {p.layer: p for p in picks}
 
 
-def _uniform_plans(jobs, layers) -> list[dict[int, LayerPlan]]:
+def _uniform_plans(jobs, layers) -> list[dict[int, RoutingConfig]]:
     """One plan per candidate, applied to every layer (rho resolved per layer)."""
     per_layer = {}
     for index, lp in jobs:
@@ -202,9 +202,9 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     matrices = resolve(sim, layers)
     kw = dict(batch_size=batch_size, prefill=prefill, progress=False)
     base = decode_scores(model, windows, **kw)
-    untouched = {layer.index: LayerPlan("sere", layer.top_k, 0.0) for layer in layers}  # S = K: identity
+    untouched = {layer.index: SereConfig(S=layer.top_k, rho=0.0) for layer in layers}  # S = K: identity
 
-    def run(plan: dict[int, LayerPlan]) -> DecodeScores:
+    def run(plan: dict[int, RoutingConfig]) -> DecodeScores:
         transform(model, sim, plan=plan, max_tokens=max_tokens)
         try:
             return decode_scores(model, windows, **kw)
@@ -220,7 +220,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
                 raise ArgumentValueError("candidates", f"candidates: S={S} is outside [1, {layer.top_k}] for layer {layer.index}")
             if isinstance(rho, Quantile):
                 rho = rho.resolve(matrices[layer.index])
-            jobs.append((layer.index, LayerPlan(policy, S, rho, *N)))
+            jobs.append((layer.index, config(policy, S, rho, *N)))
     uniform = _uniform_plans(jobs, layers)
     bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass", disable=not progress)
     for index, lp in jobs:

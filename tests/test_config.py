@@ -226,3 +226,24 @@ def test_compile_backend_reports_a_graph_whose_top_k_fits_no_matrix():
                                          r"over the similarity's expert counts \[8\]"):
         _compile_and_run(model, backend)
     assert backend.sites_rewritten == 0
+
+
+def test_readme_config_example_as_written(tmp_path, monkeypatch, capsys):
+    import os
+    import re
+
+    from sere_fx import Similarity
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "# the config spelling" in b]
+    assert len(blocks) == 1
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("sere-demo")
+    g = torch.Generator().manual_seed(0)
+    Similarity({i: torch.rand(64, 64, generator=g) for i in range(4)}).save("sere-demo/sim.safetensors")  # as the demo writes
+    scope = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)
+    model = scope["model"]
+    assert model.sere_settings.layers == {0: OEAConfig(S=2), 1: WeightConfig(S=1, N=0.6), 2: TopKConfig(S=4),
+                                          3: WeightConfig(S=1, N=24, min_importance=0.05)}
+    assert "WeightConfig(S=1, N=0.6, min_importance=None)" in capsys.readouterr().out

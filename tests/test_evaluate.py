@@ -192,7 +192,7 @@ def test_pareto_labels_name_the_policy_and_do_not_overlap():
               (35.8, 0.9805, "weight:S=1,N=0.6"), (36.1, 0.9702, "topk:S=2"), (50.0, 0.99, "sere:S=2,rho=0.5")]
     fig, ax = plt.subplots(figsize=(7, 5.5))
     ax.scatter([p[0] for p in points], [p[1] for p in points])
-    texts = _annotate(ax, points)
+    texts = _annotate(ax, points + [(36.2, float("nan"), "nan-retention")])  # not labelled (retention of 0 accuracy)
     fig.canvas.draw()
     from matplotlib.text import Text
 

@@ -23,6 +23,7 @@ from sere_fx.config import (
     Quantile,
     RoutingConfig,
     plan_for_layers,
+    needs_similarity,
     restrict,
     routing_spec,
     spec_policies,
@@ -157,7 +158,7 @@ def parse(raw) -> EngineSettings:
         routing=routing,
     )
     needing = sorted(settings.policies & set(INDEX_POLICIES))
-    if settings.sim is None and needing:
+    if settings.sim is None and needs_similarity(routing):
         raise SettingsError(f"{_key('sim')}: policy {needing[0]!r} needs a similarity file from `sere-fx calibrate`, "
                             "got none")
     return settings
@@ -165,7 +166,7 @@ def parse(raw) -> EngineSettings:
 
 def ignored_similarity(settings: EngineSettings) -> str | None:
     """A warning when a similarity file is given but no layer's policy reads it, else None."""
-    if settings.sim is None or settings.policies & set(INDEX_POLICIES):
+    if settings.sim is None or needs_similarity(settings.routing):
         return None
     return (f"sere-fx: {_key('sim')} is ignored: policy {sorted(settings.policies)} ranks experts by the router's "
             f"scores and reads no similarity (only {list(INDEX_POLICIES)} do)")
