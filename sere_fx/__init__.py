@@ -46,6 +46,7 @@ from sere_fx.config import (
     WeightConfig,
 )
 from sere_fx.errors import ArgumentError
+from sere_fx.placement import Placement
 from sere_fx.passes.matcher import RoutingMatchError
 from sere_fx.plan import LayerPlan, load_plan, save_plan
 from sere_fx.policies import POLICIES, bypass
@@ -74,6 +75,7 @@ __all__ = [
     "LeastSimilarConfig",
     "RandomConfig",
     "ArgumentError",
+    "Placement",
     "tune",
     "backend",
     "restore",

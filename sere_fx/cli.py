@@ -127,6 +127,16 @@ def _budget(text: str) -> int | float:
         raise argparse.ArgumentTypeError(f"expected an int (experts) or a fraction in (0, 1), got {text!r}") from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _max_tokens(text: str) -> int | None:
     if text.lower() == "none":
         return None
@@ -176,12 +186,19 @@ def cmd_eval(args) -> int:
     from sere_fx.evaluate import DEFAULT_POLICIES, evaluate, parse_policy
 
     args.policies = args.policies or list(DEFAULT_POLICIES)
+    placement = None
+    if args.ep_ranks is not None:
+        from sere_fx.placement import Placement
+
+        placement = Placement(args.ep_ranks, args.ep_placement)
+    elif args.ep_placement != "linear":
+        return _error("eval", f"--ep-placement: only used with --ep-ranks, got {args.ep_placement!r} without it")
     specs = []
     for spec in args.policies:  # before any model is loaded: syntax, values, plan files
         try:
             specs.append(parse_policy(spec))
             if specs[-1].kwargs is not None:
-                specs[-1].routing()
+                specs[-1].routing(placement)
         except (ValueError, ArgumentError) as exc:
             return _error("eval", f"--policies: {exc}")
     labels = list(dict.fromkeys(["baseline"] + [s.label for s in specs]))
@@ -207,7 +224,7 @@ def cmd_eval(args) -> int:
                               f"got {args.batch_size}")
     try:
         report = evaluate(model, windows, args.policies, sim, batch_size=args.batch_size, prefill=args.prefill,
-                          max_tokens=args.max_tokens)
+                          max_tokens=args.max_tokens, placement=placement)
     except ArgumentError as exc:
         if exc.arg == "policy":  # a spec the model refuses (S above a layer's top-k), before the baseline pass
             return _error("eval", f"--policies: {exc}")
@@ -401,11 +418,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefill", type=int, default=4, help="tokens prefilled with the model's own routing (default 4)")
     e.add_argument("--steps", type=int, default=96, help="scored decode steps per sequence (default 96)")
     e.add_argument("--policies", nargs="+", default=None, metavar="SPEC",
-                   help="baseline, sere:S=2,rho=0.5, sere:S=2,rho=q0.3, topk:S=2, oea:S=2, weight:S=1,N=0.6, "
+                   help="baseline, sere:S=2,rho=0.5, sere:S=2,rho=q0.3, topk:S=2, oea:S=2, weight:S=1,N=0.6, weight:S=1,N=0.6,Nrank=0.5 (with --ep-ranks), "
                         "weight:S=1,rho=0.05, random:S=2,rho=0, least_similar:S=2,rho=0, plan:PATH "
                         "(default: the standard comparison set)")
     e.add_argument("--max-tokens", type=_max_tokens, default=None,
                    help="passed to transform (default None: every decode step is re-routed)")
+    e.add_argument("--ep-ranks", type=_positive_int, default=None, metavar="R",
+                   help="also report, per layer per decode step, the most loaded of R expert-parallel ranks "
+                        "(distinct experts read and token-slots), next to the totals")
+    e.add_argument("--ep-placement", choices=["linear", "round_robin"], default="linear",
+                   help="how experts sit on the --ep-ranks ranks, as vLLM places them (default linear)")
     e.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),
                    help="also print a paired comparison of policy B against policy A (repeatable)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

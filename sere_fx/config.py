@@ -24,6 +24,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from sere_fx.errors import ArgumentError, argument_error
+from sere_fx.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -161,10 +162,16 @@ class OEAConfig(RoutingConfig):
 class WeightConfig(RoutingConfig):
     """``weight``: the loaded set is every token's top-S, plus experts whose importance is at least
     ``min_importance``, at most ``N`` in all (an int: a count; a float in (0, 1): that fraction of
-    the experts the call's tokens picked). Give ``N``, ``min_importance`` or both."""
+    the experts the call's tokens picked). Give ``N``, ``min_importance`` or both.
+
+    Under expert parallelism, ``rank_budget`` with ``placement`` (a ``sere_fx.Placement``) also caps
+    each rank: at most ``rank_budget`` loaded experts on any rank (an int, or a float in (0, 1):
+    that fraction of what the call's tokens picked on the rank)."""
 
     N: int | float | None = None
     min_importance: float | None = None
+    rank_budget: int | float | None = None
+    placement: Placement | None = None
 
     policy: ClassVar[str] = "weight"
 
@@ -180,19 +187,47 @@ class WeightConfig(RoutingConfig):
                 raise argument_error("min_importance", "min_importance: expected an importance threshold >= 0 for "
                                                        f"policy 'weight', got {m}")
             object.__setattr__(self, "min_importance", m)
-        n = self.N
-        if n is None and m is None:
+        if self.N is None and m is None and self.rank_budget is None:
             raise argument_error("N", "N: policy 'weight' needs N (experts per call), min_importance (an importance "
                                       "threshold) or both; got neither")
-        count = isinstance(n, int) and not isinstance(n, bool) and n >= 1
-        fraction = isinstance(n, float) and 0 < n < 1
-        if n is not None and not (count or fraction):
-            raise argument_error("N", "N: expected a positive int (experts per call), a float in (0, 1) (a fraction "
-                                      f"of the experts the call's tokens picked) or None, got {n!r}")
+        _check_budget("N", self.N, "experts per call", "the experts the call's tokens picked")
+        _check_budget("rank_budget", self.rank_budget, "experts per rank per call",
+                      "the experts the call's tokens picked on the rank")
+        if (self.rank_budget is None) != (self.placement is None):
+            raise argument_error("placement", "placement: a per-rank budget needs a placement and a placement a "
+                                              f"per-rank budget; got rank_budget={self.rank_budget!r}, "
+                                              f"placement={self.placement!r}")
+        if self.placement is not None and not isinstance(self.placement, Placement):
+            raise argument_error("placement", f"placement: expected a sere_fx.Placement, got "
+                                              f"{type(self.placement).__name__}", TypeError)
+
+    def for_layer(self, layer, matrix=None):
+        super().for_layer(layer)
+        if self.placement is not None:
+            self.placement.owner(layer.num_experts)  # an explicit map must cover the layer's experts
+        return self
 
     @property
     def rho(self) -> float | None:  # the keyword spelling and plan files call it rho
         return self.min_importance
+
+    def as_dict(self) -> dict:
+        d = super().as_dict()
+        if self.rank_budget is not None:
+            d["rank_budget"] = self.rank_budget
+            d["placement"] = {k: v for k, v in dataclasses.asdict(self.placement).items() if v is not None}
+            if "owners" in d["placement"]:
+                d["placement"]["owners"] = list(d["placement"]["owners"])
+        return d
+
+
+def _check_budget(name: str, value, unit: str, of: str) -> None:
+    """An expert budget: a count (an int >= 1) or a fraction in (0, 1) of ``of``; None: none."""
+    count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    fraction = isinstance(value, float) and 0 < value < 1
+    if value is not None and not (count or fraction):
+        raise argument_error(name, f"{name}: expected a positive int ({unit}), a float in (0, 1) (a fraction "
+                                   f"of {of}) or None, got {value!r}")
 
 
 CONFIGS: dict[str, type[RoutingConfig]] = {
@@ -239,9 +274,17 @@ def from_dict(entry: Mapping, layer: int) -> RoutingConfig:
     """A plan-file entry (``RoutingConfig.as_dict``) of decoder layer ``layer`` as a config; errors
     name ``plan[layer]`` (a bad value also carries ``err.layer`` and the value's own ``err.detail``)."""
     where = f"plan[{layer}]"
-    if set(entry) - {"policy", "S", "rho", "N"} or not {"policy", "S"} <= set(entry):
+    if set(entry) - {"policy", "S", "rho", "N", "rank_budget", "placement"} or not {"policy", "S"} <= set(entry):
         raise argument_error("plan", f"{where}: expected keys policy, S, rho and N, got {sorted(entry)}")
     try:
+        if "rank_budget" in entry or "placement" in entry:  # weight's per-rank budget: only in the config spelling
+            if entry["policy"] != "weight":
+                raise argument_error("rank_budget", f"rank_budget: only policy 'weight' takes a per-rank budget, "
+                                                    f"got policy {entry['policy']!r}")
+            placement = entry.get("placement")
+            return WeightConfig(S=entry["S"], N=entry.get("N"), min_importance=entry.get("rho"),
+                                rank_budget=entry.get("rank_budget"),
+                                placement=None if placement is None else Placement(**placement))
         return config(entry["policy"], entry["S"], entry.get("rho"), entry.get("N"))
     except ArgumentError as exc:
         err = argument_error("plan", f"{where}: {exc.message}", exc._kind())

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sere_fx.config import needs_similarity, plan_for_layers, routing_spec
+from sere_fx.config import WeightConfig, needs_similarity, plan_for_layers, routing_spec
 from sere_fx.discovery import find_moe_blocks, find_moe_layers
-from sere_fx.errors import ArgumentError, ArgumentValueError, argument_error
+from sere_fx.errors import ArgumentError, ArgumentTypeError, ArgumentValueError, argument_error
 from sere_fx.model_transform import restore, transform
+from sere_fx.placement import Placement, rank_load
 from sere_fx.plan import Quantile, parse_budget
 from sere_fx.policies import POLICIES, bypass
 from sere_fx.similarity import as_similarity, resolve
@@ -40,22 +41,35 @@ class PolicySpec:
     label: str
     kwargs: dict | None
 
-    def routing(self):
+    def routing(self, placement: Placement | None = None):
         """The settings as configs (``config.routing_spec``: plan files read, values checked); errors
-        name ``policy`` and the spec as typed."""
+        name ``policy`` and the spec as typed. ``placement``: what a per-rank budget (``Nrank=``) caps."""
         try:
+            if "rank_budget" in self.kwargs:
+                kw = dict(self.kwargs)
+                if kw.pop("policy") != "weight":
+                    raise ArgumentValueError("rank_budget", "rank_budget: only policy 'weight' takes a per-rank "
+                                                            "budget (Nrank=)")
+                if placement is None:
+                    raise ArgumentValueError("rank_budget", "rank_budget: a per-rank budget needs a placement "
+                                                            "(--ep-ranks), got none")
+                return WeightConfig(**({"S": kw["S"]} if "S" in kw else {}), N=kw.get("N"),
+                                    min_importance=kw.get("rho"), rank_budget=kw["rank_budget"], placement=placement)
             return routing_spec(**self.kwargs)
         except ArgumentError as exc:
             raise argument_error("policy", f"policy: {self.label!r}: {exc.message}", exc._kind()) from None
 
     def needs_sim(self) -> bool:
-        return self.kwargs is not None and needs_similarity(self.routing())
+        if self.kwargs is None or "rank_budget" in self.kwargs:  # a per-rank budget: weight, no similarity
+            return False
+        return needs_similarity(self.routing())
 
 
 def parse_policy(text: str) -> PolicySpec:
     """``baseline``, ``sere:S=2,rho=0.5``, ``sere:S=2,rho=q0.3`` (quantile), ``topk:S=2``,
     ``oea:S=2``, ``weight:S=1,N=36``, ``weight:S=1,N=0.6``, ``weight:S=1,rho=0.05``, ``random:S=2,rho=0``,
-    ``least_similar:S=2,rho=0``, ``plan:PATH``."""
+    ``least_similar:S=2,rho=0``, ``plan:PATH``; ``weight:S=1,N=0.6,Nrank=0.5`` adds a per-rank budget
+    (expert parallelism: the evaluation's placement)."""
     text = text.strip()
     if text == "baseline":
         return PolicySpec("baseline", None)
@@ -69,20 +83,23 @@ def parse_policy(text: str) -> PolicySpec:
     kwargs: dict = {"policy": name}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or key not in ("S", "rho", "N"):
-            raise ArgumentValueError("policy", f"policy: expected settings S=<int>, rho=<float>, rho=q<quantile> or N=<int or fraction>, "
-                             f"got {item!r} in {text!r}")
+        if not eq or key not in ("S", "rho", "N", "Nrank"):
+            raise ArgumentValueError("policy", f"policy: expected settings S=<int>, rho=<float>, rho=q<quantile>, "
+                                               f"N=<int or fraction> or Nrank=<int or fraction>, got {item!r} in {text!r}")
         try:
             if key == "S":
                 kwargs["S"] = int(value)
             elif key == "N":  # a count, or a fraction of the experts each call's tokens picked
                 kwargs["N"] = parse_budget(value)
+            elif key == "Nrank":  # the same, per expert-parallel rank
+                kwargs["rank_budget"] = parse_budget(value)
             elif value.startswith("q"):
                 kwargs["rho"] = Quantile(float(value[1:]))
             else:
                 kwargs["rho"] = float(value)
         except ValueError as exc:
-            wanted = {"S": "an int", "N": "an int or a fraction in (0, 1)"}.get(key, "a float or q<quantile in [0, 1]>")
+            wanted = {"S": "an int", "N": "an int or a fraction in (0, 1)",
+                      "Nrank": "an int or a fraction in (0, 1)"}.get(key, "a float or q<quantile in [0, 1]>")
             raise ArgumentValueError("policy", f"policy: expected {key}={wanted}, got {item!r} in {text!r} ({exc})") from None
     return PolicySpec(text, kwargs)
 
@@ -106,6 +123,11 @@ class DecodeScores:
     nll: np.ndarray  # [N] summed negative log-likelihood per sequence
     tokens: np.ndarray  # [N] scored tokens per sequence
     distinct: dict[int, float]  # mean distinct experts per decode step, per MoE layer
+    # with a placement (expert parallelism): per MoE layer, the mean over decode steps of the
+    # most loaded rank's distinct experts and token-slots, and of all ranks' token-slots
+    rank_distinct: dict[int, float] | None = None
+    rank_slots: dict[int, float] | None = None
+    slots: dict[int, float] | None = None
 
     @property
     def accuracy(self) -> float:
@@ -118,6 +140,10 @@ class DecodeScores:
     @property
     def mean_distinct(self) -> float:
         return float(np.mean(list(self.distinct.values())))
+
+    @property
+    def mean_rank_distinct(self) -> float | None:
+        return None if self.rank_distinct is None else float(np.mean(list(self.rank_distinct.values())))
 
 
 def _expert_ids(args) -> torch.Tensor:
@@ -158,8 +184,9 @@ class CachedDecode:
 
 @torch.no_grad()
 def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 32, prefill: int = 4,
-                  progress: bool = True, desc: str = "decode") -> DecodeScores:
-    """Teacher-forced batched decode over ``windows [N, L]``; scores the L - prefill - 1 decode steps."""
+                  progress: bool = True, desc: str = "decode", placement: Placement | None = None) -> DecodeScores:
+    """Teacher-forced batched decode over ``windows [N, L]``; scores the L - prefill - 1 decode steps.
+    ``placement``: also count, per decode step, the most loaded EP rank's experts and token-slots."""
     n, length = windows.shape
     if batch_size < 1:
         raise ArgumentValueError("batch_size", f"batch_size: expected a positive int, got {batch_size}")
@@ -167,13 +194,21 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
         raise ArgumentValueError("prefill", f"prefill: expected an int in [1, {length - 2}] for windows of {length} tokens, got {prefill}")
     layers = find_moe_blocks(model)
     counts = {layer.index: [0, 0] for layer in layers}  # distinct-expert sum, decode calls
+    ranked = {layer.index: [0, 0, 0] for layer in layers}  # max-rank distinct, max-rank slots, all slots: sums
+    owners = {} if placement is None else {layer.index: placement.owner(layer.num_experts) for layer in layers}
     state = {"decoding": False}
 
     def make_hook(index):
         def hook(module, args):
             if state["decoding"]:
-                counts[index][0] += int(torch.unique(_expert_ids(args)).numel())
+                ids = _expert_ids(args)
+                counts[index][0] += int(torch.unique(ids).numel())
                 counts[index][1] += 1
+                if placement is not None:
+                    distinct, slots = rank_load(ids.cpu(), owners[index], placement.ranks)
+                    ranked[index][0] += int(distinct.max())
+                    ranked[index][1] += int(slots.max())
+                    ranked[index][2] += int(slots.sum())
         return hook
 
     handles = [layer.experts.register_forward_pre_hook(make_hook(layer.index)) for layer in layers]
@@ -201,7 +236,10 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
         bar.close()
     tokens = np.full(n, length - prefill - 1, dtype=np.int64)
     distinct = {i: s / max(c, 1) for i, (s, c) in counts.items()}
-    return DecodeScores(correct, nll, tokens, distinct)
+    if placement is None:
+        return DecodeScores(correct, nll, tokens, distinct)
+    per_layer = [{i: r[j] / max(counts[i][1], 1) for i, r in ranked.items()} for j in range(3)]
+    return DecodeScores(correct, nll, tokens, distinct, *per_layer)
 
 
 def paired_bootstrap(base: DecodeScores, other: DecodeScores, resamples: int = 2000, seed: int = 0) -> dict:
@@ -237,6 +275,11 @@ class PolicyResult:
     dnll: float
     dnll_ci: list
     settings: dict | None = None
+    # with ``placement``: the most loaded EP rank per layer per decode step (mean over layers)
+    max_rank_distinct: float | None = None
+    max_rank_slots: float | None = None
+    slots: float | None = None  # all ranks' token-slots per layer per step
+    max_rank_distinct_per_layer: dict | None = None
 
 
 @dataclass
@@ -262,12 +305,19 @@ class EvalReport:
             f"{'policy':<28} {'acc':>6} {'retention [95% CI]':>24} {'NLL':>7} {'dNLL [95% CI]':>26} "
             f"{'experts/layer':>14} {'vs base':>8}"
         ]
+        ep = base.max_rank_distinct is not None
+        if ep:
+            lines[0] += f" {'max-rank experts':>17} {'max-rank slots':>15}"
         for r in self.results:
             lines.append(
                 f"{r.label:<28} {r.accuracy:>6.4f} {r.retention:>7.4f} [{r.retention_ci[0]:.4f}, {r.retention_ci[1]:.4f}]"
                 f" {r.nll:>7.4f} {r.dnll:>+8.4f} [{r.dnll_ci[0]:+.4f}, {r.dnll_ci[1]:+.4f}]"
                 f" {r.distinct:>14.1f} {100 * (r.distinct / base.distinct - 1):>+7.1f}%"
+                + (f" {r.max_rank_distinct:>17.2f} {r.max_rank_slots:>15.1f}" if ep else "")
             )
+        if ep:
+            lines.append(f"(max-rank: the most loaded of {self.config['ep']['ranks']} EP ranks "
+                         f"({self.config['ep']['strategy']} placement) per layer per decode step, mean over layers)")
         return "\n".join(lines)
 
     def save(self, out_dir: str | os.PathLike) -> dict[str, str]:
@@ -339,15 +389,22 @@ def pareto_plot(report: EvalReport, path: str) -> None:
 
 
 def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, batch_size: int = 32, prefill: int = 4,
-             max_tokens: int | None = None, progress: bool = True, baseline: DecodeScores | None = None) -> EvalReport:
+             max_tokens: int | None = None, progress: bool = True, baseline: DecodeScores | None = None,
+             placement: Placement | None = None) -> EvalReport:
     """Score ``policies`` (``PolicySpec`` or strings for ``parse_policy``) on the same windows.
 
     The first result is always the untransformed baseline. ``max_tokens`` is passed to
     ``transform`` (decode steps carry ``batch_size`` tokens; prefill is bypassed anyway).
+    ``placement``: also report the most loaded EP rank's experts and token-slots.
     """
+    if placement is not None and not isinstance(placement, Placement):
+        raise ArgumentTypeError("placement", f"placement: expected a sere_fx.Placement, got {type(placement).__name__}")
+    if placement is not None and baseline is not None and baseline.rank_distinct is None:
+        raise ArgumentValueError("baseline", "baseline: scored without a placement; pass scores from "
+                                             "decode_scores(..., placement=...) or none")
     specs = [p if isinstance(p, PolicySpec) else parse_policy(p) for p in policies]
     specs = [s for s in specs if s.kwargs is not None]
-    routings = {s.label: s.routing() for s in specs}  # plan files read, values checked
+    routings = {s.label: s.routing(placement) for s in specs}  # plan files read, values checked
     for s in specs:
         if needs_similarity(routings[s.label]) and sim is None:
             raise ArgumentValueError("sim", f"sim: policy {s.label!r} needs expert-similarity matrices, got None")
@@ -373,7 +430,7 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
     windows = windows[: n - dropped]
     if baseline is None:
         baseline = decode_scores(model, windows, batch_size=batch_size, prefill=prefill, progress=progress,
-                                 desc="baseline")
+                                 desc="baseline", placement=placement)
     scored = [("baseline", baseline, None)]
     for spec in specs:
         routing = routings[spec.label]
@@ -381,7 +438,8 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
         try:
             settings = model.sere_settings.as_dict()
             scored.append((spec.label, decode_scores(model, windows, batch_size=batch_size, prefill=prefill,
-                                                     progress=progress, desc=spec.label), settings))
+                                                     progress=progress, desc=spec.label, placement=placement),
+                           settings))
         finally:
             restore(model)
     results = []
@@ -392,8 +450,14 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
             distinct_per_layer={str(k): v for k, v in s.distinct.items()},
             retention=s.accuracy / baseline.accuracy if baseline.accuracy else math.nan, retention_ci=ci["retention_ci"],
             dnll=s.mean_nll - baseline.mean_nll, dnll_ci=ci["dnll_ci"], settings=settings,
+            **({} if placement is None else dict(
+                max_rank_distinct=s.mean_rank_distinct, max_rank_slots=float(np.mean(list(s.rank_slots.values()))),
+                slots=float(np.mean(list(s.slots.values()))),
+                max_rank_distinct_per_layer={str(k): v for k, v in s.rank_distinct.items()})),
         ))
     config = {"batch_size": batch_size, "prefill": prefill, "sequences": int(windows.shape[0]),
               "dropped_sequences": dropped,
               "window": int(windows.shape[1]), "scored_tokens": int(baseline.tokens.sum()), "max_tokens": max_tokens}
+    if placement is not None:
+        config["ep"] = {"ranks": placement.ranks, "strategy": placement.strategy}
     return EvalReport(results, config, {label: s for label, s, _ in scored})

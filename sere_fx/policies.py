@@ -28,7 +28,10 @@ Top-k policies replace the router's top-k itself and need the full score vector:
   tokens picked (rounded down, at least 1). Only experts some token picked are ever loaded,
   so a batch that already needs at most ``N`` keeps its routing. Tokens then refill from L by
   their own ranking, exactly as ``oea`` does. A count fixes a deployment's expert reads per
-  step; a fraction fixes the saving on every step, whatever the batch.
+  step; a fraction fixes the saving on every step, whatever the batch. Under expert
+  parallelism a layer takes as long as its most loaded rank: a *per-rank budget* (a count, or
+  a fraction of what the call picked on that rank) then caps each rank's share of L, filled
+  in the same order (``sere_fx.placement`` says which rank holds each expert).
 
 Engines that keep some rows on the model's routing (a mixed step's prompt rows) read those
 rows' experts anyway. ``free`` (bool ``[E]``) names such experts: for ``sere`` and the
@@ -37,6 +40,11 @@ ablations they join the primary set (``sere.reroute``'s ``free_rows``); for ``oe
 
 Every policy leaves calls with more than ``max_tokens`` tokens, and every call inside
 ``with sere_fx.bypass():``, exactly as the model would have routed them.
+
+Data-parallel ranks route their own batches but read experts from the same expert-parallel
+ranks. ``reduce`` (a sum all-reduce over the DP group, one call per layer, on the device) makes
+them agree on one primary / loaded set: each rank's set is what the policy would pick for all
+ranks' tokens together, so every token is re-routed as it would be in one batch of all of them.
 """
 
 from __future__ import annotations
@@ -173,28 +181,85 @@ def _refill(scores: torch.Tensor, k: int, loaded: torch.Tensor, neutral: float,
     return values.masked_fill(~filled, neutral), ids
 
 
+def agreed_primary_rows(topk_ids: torch.Tensor, S: int, num_experts: int, reduce, rank_values=None,
+                        valid_rows=None, free=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SERE's primary set agreed across data-parallel ranks, as rows ``sere.reroute`` can take.
+
+    Each rank's primary set (its valid rows' top-S, plus ``free``: bool ``[E]``, experts it reads
+    anyway) is summed over the ranks by ``reduce``; the union comes back as ``ceil(E / K)`` rows
+    that hold exactly its experts (a non-primary slot repeats a primary one), to append as *free*
+    rows: the op then sees all ranks' primaries, with no change to the op and no host sync.
+    Returns (rows ``[R, K]``, whether to mark them free: False when no rank has a primary).
+    """
+    k = topk_ids.shape[1]
+    primary = primary_mask(topk_ids, S, num_experts, rank_values, valid_rows)
+    if free is not None:
+        primary = primary | free
+    primary = reduce(primary.to(torch.float32)) > 0
+    experts = torch.arange(num_experts + (-num_experts) % k, device=topk_ids.device) % num_experts
+    first = primary.to(torch.int32).argmax()  # some primary expert (any will do)
+    rows = torch.where(primary[experts], experts, first).reshape(-1, k).to(topk_ids.dtype)
+    return rows, primary.any()
+
+
+def reroute_agreed(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float, reduce,
+                   rank_values=None, valid_rows=None, free=None) -> torch.Tensor:
+    """``sere.reroute`` toward the primary set of all data-parallel ranks (``agreed_primary_rows``);
+    ``free``: bool ``[E]``, experts this rank reads anyway."""
+    t, e = topk_ids.shape[0], similarity.shape[0]
+    rows, any_primary = agreed_primary_rows(topk_ids, S, e, reduce, rank_values, valid_rows, free)
+    n = rows.shape[0]
+    valid = torch.ones(t, dtype=torch.bool, device=topk_ids.device) if valid_rows is None else valid_rows
+    if rank_values is None:  # slots in rank order: any decreasing values say the same
+        rank_values = torch.arange(topk_ids.shape[1], 0, -1, device=topk_ids.device).expand(t, -1).float()
+    out = torch.ops.sere.reroute(torch.cat([topk_ids, rows]), similarity, S, rho,
+                                 torch.cat([rank_values, rank_values.new_zeros(n, rank_values.shape[1])]),
+                                 torch.cat([valid, valid.new_zeros(n)]),
+                                 torch.cat([valid.new_zeros(t), any_primary.expand(n)]))
+    return out[:t]
+
+
 def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows: torch.Tensor | None = None,
-               free: torch.Tensor | None = None):
+               free: torch.Tensor | None = None, reduce=None):
     """OEA on flat scores ``[T, E]``: returns (values, ids, own), each ``[T, k]``, rank-ordered.
 
     ``own`` is every token's own top-k. With ``valid_rows`` (bool ``[T]``) only those rows form
     the loaded set and are re-selected; the other rows get their own top-k. ``free``: experts
-    read anyway, added to the loaded set.
+    read anyway, added to the loaded set. ``reduce``: agree on the loaded set across
+    data-parallel ranks (module doc).
     """
     own = torch.topk(scores, k, dim=-1).indices
     loaded = primary_mask(own, k0, scores.shape[-1], valid_rows=valid_rows)  # the same rule as SERE's primaries
     if free is not None:
         loaded = loaded | free
+    if reduce is not None:
+        loaded = reduce(loaded.to(torch.float32)) > 0
     values, ids = _refill(scores, k, loaded, neutral, valid_rows)
     return values, ids, own
 
 
+def _places(key: torch.Tensor, group: torch.Tensor | None = None) -> torch.Tensor:
+    """Each expert's place in the order of ``key`` (descending, ties to the lower index), counted
+    within its ``group`` (bool ``[E, E]``: experts compared with each other), else over all.
+    E x E compares instead of a stable sort, which ONNX has no operator for."""
+    index = torch.arange(key.shape[0], device=key.device)
+    ahead = (key.unsqueeze(0) > key.unsqueeze(1)) | ((key.unsqueeze(0) == key.unsqueeze(1))
+                                                     & (index.unsqueeze(0) < index.unsqueeze(1)))
+    return (ahead if group is None else ahead & group).sum(dim=1)
+
+
 def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: float | None = None,
                   N: int | float | None = None, probs: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
-                  free: torch.Tensor | None = None):
+                  free: torch.Tensor | None = None, rank_budget: int | float | None = None,
+                  owner: torch.Tensor | None = None, reduce=None):
     """The ``weight`` policy on flat scores ``[T, E]`` (see module doc); returns (values, ids, own) as
     ``oea_select`` does. Give ``rho``, ``N`` or both. ``free``: experts read anyway, added to the
     loaded set after the budget (they cost nothing, so ``N`` does not count them).
+    ``rank_budget`` with ``owner`` (int ``[E]``, each expert's EP rank): after ``N``, at most
+    ``rank_budget`` loaded experts on any rank (a float in (0, 1): that fraction of the experts the
+    call's tokens picked on the rank, rounded down, at least 1), filled in the same order.
+    ``reduce``: agree on importance, picked, top-S and free experts across data-parallel ranks
+    (one all-reduce of ``4 E`` floats), so every rank loads what one batch of all ranks' tokens would.
 
     Shares come from ``probs`` (``[T, E]``, the router's probabilities) when given, else from the
     scores: a softmax of the top-k values where they are logits (``neutral`` -inf), the values
@@ -215,20 +280,28 @@ def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: 
     importance = shares.square().sum(dim=0)  # [E]
     picked = primary_mask(own, k, num_experts, valid_rows=valid_rows)  # what the model itself would read
     kept = primary_mask(own, S, num_experts, valid_rows=valid_rows)
+    if reduce is not None:
+        local_free = torch.zeros_like(picked) if free is None else free
+        summed = reduce(torch.cat([importance, picked.float(), kept.float(), local_free.float()]))
+        importance, picked, kept, free = summed[:num_experts], *(summed[i * num_experts:(i + 1) * num_experts] > 0
+                                                                  for i in range(1, 4))
     loaded = picked if rho is None else kept | (picked & (importance >= rho))
     if free is not None:
         loaded = loaded & ~free  # read anyway: outside the budget, added back below
     if isinstance(N, float):  # a fraction of what this call picked: a tensor, decided per call
         N = (picked.sum().double() * N + 1e-9).floor().clamp_min(1)  # float64: 0.6 * 5 is 3, not 2.99
+    # budgets fill in one order: top-S members first (lifted above every importance), then by
+    # importance, ties to the lower index
+    key = torch.where(kept, importance + importance.sum() + 1.0, importance)
     if N is not None and (isinstance(N, torch.Tensor) or N < num_experts):
-        # top-S members first (lifted above every importance), then by importance, ties to the
-        # lower index: each expert's place is the count of experts ahead of it (E x E compares
-        # instead of a stable sort, which ONNX has no operator for)
-        key = torch.where(kept, importance + importance.sum() + 1.0, importance).masked_fill(~loaded, -1.0)
-        index = torch.arange(num_experts, device=scores.device)
-        ahead = (key.unsqueeze(0) > key.unsqueeze(1)) | ((key.unsqueeze(0) == key.unsqueeze(1))
-                                                         & (index.unsqueeze(0) < index.unsqueeze(1)))
-        loaded = loaded & (ahead.sum(dim=1) < N)
+        loaded = loaded & (_places(key.masked_fill(~loaded, -1.0)) < N)
+    if rank_budget is not None:  # expert parallelism: at most this many experts read on any rank
+        same_rank = owner.unsqueeze(0) == owner.unsqueeze(1)
+        cap = rank_budget
+        if isinstance(rank_budget, float):  # a fraction of what this call's tokens picked on the expert's rank
+            demand = (same_rank & picked.unsqueeze(0)).sum(dim=1).double()
+            cap = (demand * rank_budget + 1e-9).floor().clamp_min(1)
+        loaded = loaded & (_places(key.masked_fill(~loaded, -1.0), same_rank) < cap)
     if free is not None:
         loaded = loaded | free
     values, ids = _refill(scores, k, loaded, neutral, valid_rows)
@@ -262,12 +335,15 @@ def select_topk(
     neutral: float,
     rho: float | None = None,
     N: int | float | None = None,
+    rank_budget: int | float | None = None,
+    owners: tuple[int, ...] | None = None,
     max_tokens: int | None = None,
     stats=None,
 ):
     """A top-k policy in place of the site's ``torch.topk(scores, k, dim, largest, sorted)``.
 
-    ``rho`` and ``N``: the ``weight`` policy's importance threshold and expert budget."""
+    ``rho``, ``N``, ``rank_budget`` and ``owners`` (each expert's EP rank): the ``weight`` policy's
+    importance threshold, expert budget and per-rank budget."""
     e = scores.shape[-1]
     if policy not in TOPK_POLICIES:
         raise argument_error("policy", f"policy: expected one of {list(TOPK_POLICIES)}, got {policy!r}")
@@ -280,7 +356,8 @@ def select_topk(
         elif policy == "oea":
             values, ids, before = oea_select(flat, k, S, neutral)
         else:
-            values, ids, before = weight_select(flat, k, S, neutral, rho=rho, N=N)
+            owner = None if owners is None else torch.tensor(owners, dtype=torch.int64, device=flat.device)
+            values, ids, before = weight_select(flat, k, S, neutral, rho=rho, N=N, rank_budget=rank_budget, owner=owner)
         if stats is not None:
             stats.record(before, ids, S)
         shape = scores.shape[:-1] + (ids.shape[-1],)

@@ -136,13 +136,15 @@ def reroute_rows_loop(topk_ids, topk_values, valid_rows, similarity, S: int, rho
     return out
 
 
-def weight_loop(scores, k: int, S: int, rho=None, N=None, logits: bool = False, valid=None, probs=None, free=()):
+def weight_loop(scores, k: int, S: int, rho=None, N=None, logits: bool = False, valid=None, probs=None, free=(),
+                rank_budget=None, owner=None):
     """The ``weight`` policy per token (plain loops, float64): list of expert lists, rank order.
 
     ``logits``: shares are a softmax of each token's top-k scores, else the scores over their
     sum; ``probs``: shares from these instead (the scores only rank). Rows where ``valid`` is
     False keep their own top-k and take no part. ``free``: experts loaded anyway, outside the
-    budget.
+    budget. ``rank_budget`` with ``owner`` (a list: each expert's rank): after N, at most that
+    many loaded experts per rank (a float: of the experts picked on the rank).
     """
     rows = scores.double().tolist()
     weights = rows if probs is None else probs.double().tolist()
@@ -163,5 +165,13 @@ def weight_loop(scores, k: int, S: int, rho=None, N=None, logits: bool = False, 
     if N is not None:
         count = N if isinstance(N, int) else max(1, math.floor(N * len(picked) + 1e-9))
         loaded = set(sorted(loaded, key=lambda e: (e not in kept, -importance[e], e))[:count])
+    if rank_budget is not None:
+        capped = set()
+        for r in set(owner):
+            on_rank = sorted((e for e in loaded if owner[e] == r), key=lambda e: (e not in kept, -importance[e], e))
+            demand = sum(1 for e in picked if owner[e] == r)
+            cap = rank_budget if isinstance(rank_budget, int) else max(1, math.floor(rank_budget * demand + 1e-9))
+            capped |= set(on_rank[:cap])
+        loaded = capped
     loaded |= set(free)
     return [rank[:k] if not ok else [e for e in rank if e in loaded][:k] for rank, ok in zip(ranking, valid)]

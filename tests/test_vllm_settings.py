@@ -131,6 +131,13 @@ def test_attach_refuses_models_without_moe_layers_and_engines_it_cannot_follow(s
         engine.attach(torch.nn.Linear(2, 2), _vllm_config(), {"sim": sim_file})
     with pytest.raises(SettingsError, match=f"{KEY}: data_parallel_size 2 is not supported \\(expected 1\\)"):
         engine.attach(torch.nn.Linear(2, 2), _vllm_config(dp=2), {"sim": sim_file})
+    # data parallelism only with the ranks agreeing on one loaded set (verified below the engine: test_vllm_dp)
+    with pytest.raises(SettingsError, match=f'{KEY}: data_parallel_size 2 is not supported \\(expected 1\\) unless '
+                                            f'{KEY}\\["dp_loaded_set"\\] is true'):
+        engine.check_engine_config(_vllm_config(dp=2), parse({"sim": sim_file}))
+    engine.check_engine_config(_vllm_config(dp=2), parse({"sim": sim_file, "dp_loaded_set": True}))
+    with pytest.raises(SettingsError, match=f'{KEY}\\["dp_loaded_set"\\]: expected true or false, got 1'):
+        parse({"sim": sim_file, "dp_loaded_set": 1})
     with pytest.raises(SettingsError, match=f"{KEY}: micro-batching \\(enable_dbo=True, ubatch_size=0\\) .* expected "
                                             "it off \\(leave out --enable-dbo and --ubatch-size\\)"):
         engine.check_engine_config(_vllm_config(dbo=True))

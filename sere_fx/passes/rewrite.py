@@ -96,11 +96,18 @@ def _replace_topk(graph, site, plan, max_tokens, attrs) -> Node:
             select_topk,
             (site.scores, site.k, _arg(topk, 2, "dim", -1), _arg(topk, 3, "largest", True), _arg(topk, 4, "sorted", True)),
             {"policy": plan.policy, "S": plan.S, "neutral": neutral, "rho": plan.rho, "N": plan.N,
-             "max_tokens": max_tokens, "stats": nodes.get("stats")},
+             **_rank_budget(plan, site.num_experts), "max_tokens": max_tokens, "stats": nodes.get("stats")},
         )
     topk.replace_all_uses_with(new)
     graph.erase_node(topk)
     return new
+
+
+def _rank_budget(plan: RoutingConfig, num_experts: int) -> dict:
+    """``weight``'s per-rank budget as constants of the call: the budget and each expert's rank."""
+    if getattr(plan, "rank_budget", None) is None:
+        return {}
+    return {"rank_budget": plan.rank_budget, "owners": tuple(plan.placement.owner(num_experts).tolist())}
 
 
 def _position(graph: Graph, node: Node) -> int:

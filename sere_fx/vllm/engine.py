@@ -278,13 +278,22 @@ def engine_layers(runners) -> list[EngineLayer]:
     return layers
 
 
-def check_engine_config(vllm_config) -> None:
+def _dp_all_reduce():
+    """A sum all-reduce over vLLM's data-parallel group, on the device (vLLM's own collective)."""
+    from vllm.distributed.parallel_state import get_dp_group
+
+    return get_dp_group().all_reduce
+
+
+def check_engine_config(vllm_config, settings=None) -> None:
     """What the engine's configuration alone tells: refused in the calling process, before any worker starts."""
     parallel = vllm_config.parallel_config
-    if parallel.data_parallel_size > 1:
+    if parallel.data_parallel_size > 1 and not (settings is not None and settings.dp_loaded_set):
         raise SettingsError(
-            f"{WHERE}: data_parallel_size {parallel.data_parallel_size} is not supported (expected 1): data-parallel "
-            "ranks route different batches; use tensor_parallel_size (with enable_expert_parallel) instead"
+            f"{WHERE}: data_parallel_size {parallel.data_parallel_size} is not supported (expected 1) unless "
+            f'{WHERE}["dp_loaded_set"] is true: data-parallel ranks route different batches, so each would '
+            "re-route toward its own primary experts; set it (the ranks then agree on one loaded set per layer, a "
+            "path verified below the engine only) or use tensor_parallel_size (with enable_expert_parallel)"
         )
     if parallel.use_ubatching:
         raise SettingsError(
@@ -337,7 +346,7 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
     """Install the routing of ``raw`` (``additional_config["sere"]``) on every MoE layer of ``model``
     (the served model of ``runner``, whose steps will say which rows are decode rows)."""
     settings = parse(raw)
-    check_engine_config(vllm_config)
+    check_engine_config(vllm_config, settings)
     kinds = tuple(cls for cls, _, _ in step_readers())
     if runner is not None and not isinstance(runner, kinds):
         raise SettingsError(
@@ -357,6 +366,13 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
     ENGINE.allocate(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, device)
     ENGINE.decode_only, ENGINE.spec_decode = settings.decode_only, settings.spec_decode
     ENGINE.stats = {}
+    reduce = None
+    if settings.dp_loaded_set and vllm_config.parallel_config.data_parallel_size > 1:
+        reduce = _dp_all_reduce()
+        _logger().warning("sere-fx: dp_loaded_set: the %d data-parallel ranks agree on one loaded set per layer "
+                          "call (one all-reduce of E or 4E floats); this path is verified below the engine only "
+                          "(torch.distributed with gloo), not in a served engine",
+                          vllm_config.parallel_config.data_parallel_size)
     installed = {}
     for runner_, layer in zip(runners, layers):
         plan = plans[layer.index]
@@ -371,7 +387,8 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
                                 f"sere-fx cannot recompute ({scores.unsupported})")
         if plan.S >= layer.top_k:
             continue  # S = K leaves this layer's routing as it is
-        routing = LayerRouting(layer.index, plan, scores, matrices.get(layer.index), layer.num_experts, settings.stats)
+        routing = LayerRouting(layer.index, plan, scores, matrices.get(layer.index), layer.num_experts, settings.stats,
+                               reduce)
         install(runner_.router, routing)
         installed[layer.index] = routing
         if settings.stats:

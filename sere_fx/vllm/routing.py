@@ -31,7 +31,7 @@ import torch
 
 from sere_fx.kernels import reroute_cpu
 from sere_fx.config import RoutingConfig
-from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select, weight_select
+from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select, reroute_agreed, weight_select
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,13 @@ class LayerRouting:
     """The policy of one MoE layer, applied to its router's output (see module doc)."""
 
     def __init__(self, layer: int, plan: RoutingConfig, scores: RouterScores, similarity: torch.Tensor | None,
-                 num_experts: int, stats: bool):
+                 num_experts: int, stats: bool, reduce=None):
+        """``reduce``: a sum all-reduce over the data-parallel group (``dp_loaded_set``): the ranks
+        agree on one primary / loaded set per layer call (``sere_fx.policies``)."""
         self.layer = layer
+        self.reduce = reduce
+        # weight's per-rank budget (expert parallelism): each expert's rank
+        self.owner = None if getattr(plan, "rank_budget", None) is None else plan.placement.owner(num_experts)
         self.num_experts = num_experts
         self.plan = plan
         self.scores = scores
@@ -126,7 +131,10 @@ class LayerRouting:
         else:  # padding rows may hold id -1: gather within range (those rows are never re-routed)
             rank = self.scores.selection(router_logits).gather(1, ids.long().clamp(0, self.num_experts - 1))
         new_weights = weights
-        if plan.policy == "sere":
+        if plan.policy == "sere" and self.reduce is not None:  # agreed across data-parallel ranks
+            rows, free = self._engine_rows(ids)
+            new_ids = reroute_agreed(ids, self.similarity, plan.S, plan.rho, self.reduce, rank, rows, free)
+        elif plan.policy == "sere":
             # The hot path: one opaque op, which looks this step's rows up itself; on the CPU a
             # native one, called from vLLM's compiled graph without a Python frame.
             if (self.native is not None and _engine().ENGINE.native
@@ -163,10 +171,12 @@ class LayerRouting:
         probs = self.scores.probabilities(router_logits)  # once: selection, shares and weights read it
         selection = self.scores.selection(router_logits, probs)
         if plan.policy == "weight":
+            owner = None if self.owner is None else self.owner.to(selection.device)
             values, chosen, _ = weight_select(selection, ids.shape[1], plan.S, neutral, rho=plan.rho, N=plan.N,
-                                              probs=probs, valid_rows=rows, free=free)
+                                              probs=probs, valid_rows=rows, free=free, rank_budget=plan.rank_budget,
+                                              owner=owner, reduce=self.reduce)
         elif plan.policy == "oea":
-            values, chosen, _ = oea_select(selection, ids.shape[1], plan.S, neutral, rows, free)
+            values, chosen, _ = oea_select(selection, ids.shape[1], plan.S, neutral, rows, free, reduce=self.reduce)
         else:  # topk: each token's own top-S, nothing else
             values, chosen, _ = keep_top_s(selection, ids.shape[1], plan.S, neutral, rows)
         keep = rows.unsqueeze(1)

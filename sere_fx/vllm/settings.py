@@ -34,7 +34,7 @@ from sere_fx.similarity import Similarity, resolve
 
 SETTINGS_KEY = "sere"
 WHERE = f'additional_config["{SETTINGS_KEY}"]'
-_KEYS = ("sim", "S", "rho", "N", "policy", "plan", "decode_only", "spec_decode", "stats")
+_KEYS = ("sim", "S", "rho", "N", "policy", "plan", "decode_only", "spec_decode", "stats", "dp_loaded_set")
 SPEC_DECODE = ("reroute", "keep")
 
 
@@ -56,6 +56,7 @@ class EngineSettings:
     decode_only: bool = True
     spec_decode: str = "reroute"
     stats: bool = False
+    dp_loaded_set: bool = False  # data-parallel ranks agree on one primary / loaded set per layer call
     raw: dict = field(default_factory=dict, compare=False)
     routing: object = field(default=None, compare=False)  # the settings as configs (config.routing_spec)
 
@@ -108,7 +109,7 @@ def parse(raw) -> EngineSettings:
     unknown = sorted(set(raw) - set(_KEYS))
     if unknown:
         raise SettingsError(f"{WHERE}: unknown key {unknown[0]!r}; expected keys among {list(_KEYS)}")
-    for name in ("decode_only", "stats"):
+    for name in ("decode_only", "stats", "dp_loaded_set"):
         if name in raw and not isinstance(raw[name], bool):
             raise SettingsError(f"{_key(name)}: expected true or false, got {raw[name]!r}")
     spec_decode = raw.get("spec_decode", "reroute")
@@ -154,6 +155,7 @@ def parse(raw) -> EngineSettings:
         decode_only=raw.get("decode_only", True),
         spec_decode=spec_decode,
         stats=raw.get("stats", False),
+        dp_loaded_set=raw.get("dp_loaded_set", False),
         raw=dict(raw),
         routing=routing,
     )
