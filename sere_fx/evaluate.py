@@ -326,6 +326,12 @@ class EvalReport:
         with open(paths["json"], "w") as f:
             json.dump({"config": self.config, "results": [asdict(r) for r in self.results]}, f, indent=1)
         pareto_plot(self, paths["png"])
+        if self.config.get("ep"):  # the same fronts against what an expert-parallel layer waits for
+            paths["ep_png"] = os.path.join(out_dir, "pareto_ep.png")
+            ep = self.config["ep"]
+            pareto_plot(self, paths["ep_png"], x="max_rank_distinct",
+                        xlabel=f"distinct experts on the most loaded of {ep['ranks']} EP ranks ({ep['strategy']}) "
+                               "per layer per decode step")
         return paths
 
 
@@ -354,9 +360,17 @@ def _annotate(ax, points) -> list:
     return texts
 
 
-def pareto_plot(report: EvalReport, path: str) -> None:
-    """Retention and NLL increase vs distinct experts, with 95% intervals: one colour per policy,
-    its settings joined by a line (sorted by experts), so each policy's front reads at a glance."""
+def _family(label: str) -> str:
+    """A plot's line: the policy, with per-rank budgets apart from global ones."""
+    name = label.split(":", 1)[0]
+    return f"{name} (per-rank budget)" if "Nrank=" in label else name
+
+
+def pareto_plot(report: EvalReport, path: str, x: str = "distinct",
+                xlabel: str = "distinct experts per layer per decode step (lower = faster)") -> None:
+    """Retention and NLL increase vs distinct experts (or ``x``, another ``PolicyResult`` field),
+    with 95% intervals: one colour per policy, its settings joined by a line (sorted by ``x``), so
+    each policy's front reads at a glance."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,20 +379,20 @@ def pareto_plot(report: EvalReport, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
     families: dict[str, list[PolicyResult]] = {}
     for r in report.results:
-        families.setdefault(r.label.split(":", 1)[0], []).append(r)
+        families.setdefault(_family(r.label), []).append(r)
     panels = ((axes[0], "retention", "retention_ci", "accuracy retention vs baseline (95% CI)"),
               (axes[1], "dnll", "dnll_ci", "NLL increase vs baseline, nats/token (95% CI)"))
     for ax, key, ci, ylabel in panels:
         labelled = []
         for name, rs in families.items():
-            rs = sorted(rs, key=lambda r: r.distinct)
+            rs = sorted(rs, key=lambda r: getattr(r, x))
             y = [getattr(r, key) for r in rs]
             yerr = [[v - getattr(r, ci)[0] for v, r in zip(y, rs)], [getattr(r, ci)[1] - v for v, r in zip(y, rs)]]
-            ax.errorbar([r.distinct for r in rs], y, yerr=yerr, fmt="o-" if len(rs) > 1 else "o", capsize=3,
+            ax.errorbar([getattr(r, x) for r in rs], y, yerr=yerr, fmt="o-" if len(rs) > 1 else "o", capsize=3,
                         label=name, alpha=0.85)
-            labelled.extend((r.distinct, v, r.label) for r, v in zip(rs, y))
+            labelled.extend((getattr(r, x), v, r.label) for r, v in zip(rs, y))
         _annotate(ax, labelled)
-        ax.set_xlabel("distinct experts per layer per decode step (lower = faster)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="lower right")

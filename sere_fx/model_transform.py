@@ -21,6 +21,7 @@ from sere_fx.config import INDEX_POLICIES, RoutingConfig, needs_similarity, plan
 from sere_fx.discovery import check_identity, find_moe_layers
 from sere_fx.errors import argument_error
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
+from sere_fx.placement import Placement
 from sere_fx.passes.trace import graph_forward
 from sere_fx.similarity import as_similarity, resolve
 from sere_fx.stats import LayerStats
@@ -81,7 +82,7 @@ def transform(
     policy=None,
     N=None,
     max_tokens: int | None = DEFAULT_MAX_TOKENS,
-    stats: bool = False,
+    stats: "bool | Placement" = False,
     plan=None,
     experts_implementation: str | None = None,
 ) -> nn.Module:
@@ -119,7 +120,8 @@ def transform(
         max_tokens: calls with more tokens than this (prefill) keep the model's own routing;
             None re-routes every call. Default ``DEFAULT_MAX_TOKENS`` (256).
         stats: record per-layer routing statistics (``sere_fx.routing_stats``); costs a
-            device sync per layer call, so leave it off when timing.
+            device sync per layer call, so leave it off when timing. A ``sere_fx.Placement``
+            records them and the busiest expert-parallel rank's experts and token-slots too.
         plan: per-layer settings from ``sere_fx.tune`` (a JSON path or dict); replaces
             ``config`` and the keywords, which must then be left out.
         experts_implementation: switch a transformers model's experts implementation too,
@@ -137,6 +139,8 @@ def transform(
                              "transformers model with selectable experts implementations, got "
                              f"experts_implementation={experts_implementation!r}")
     check_max_tokens(max_tokens)
+    if not isinstance(stats, (bool, Placement)):
+        raise argument_error("stats", f"stats: expected True, False or a sere_fx.Placement, got {stats!r}")
     spec = routing_spec(config, policy=policy, S=S, rho=rho, N=N, plan=plan, check=False)  # checked per layer below
     layers = find_moe_layers(model)
     matrices = None
@@ -164,7 +168,7 @@ def transform(
         prepared.append((layer, attrs))
     try:
         for layer, attrs in prepared:
-            _install(layer, attrs, matrices)
+            _install(layer, attrs, matrices, stats if isinstance(stats, Placement) else None)
         if experts_implementation is not None:
             model.set_experts_implementation(experts_implementation)
     except BaseException:
@@ -180,13 +184,13 @@ def transform(
     return model
 
 
-def _install(layer, attrs: SiteAttrs, matrices) -> None:
+def _install(layer, attrs: SiteAttrs, matrices, placement: Placement | None) -> None:
     router = layer.router
     device = next((t.device for t in router.parameters()), torch.device("cpu"))
     if attrs.similarity:
         router.register_buffer(SIM_BUFFER, matrices[layer.index].to(device))
     if attrs.stats:
-        setattr(router, STATS_ATTR, LayerStats())
+        setattr(router, STATS_ATTR, LayerStats(placement=placement, num_experts=layer.num_experts))
     if attrs.generator:
         setattr(router, GENERATOR_ATTR, torch.Generator().manual_seed(layer.index))
     _install_forward(router, layer.graph, layer.index)

@@ -189,6 +189,11 @@ def test_eval_checks_every_spec_and_option_before_any_decoding(tmp_path, capsys,
          "--sim: policy 'sere:S=2' needs expert-similarity matrices, got None"),
         (["eval", "--model", nowhere, "--data", text, "--policies", "oea:S=2", "--compare", "baseline", "oea:S=1"],
          "--compare: expected labels among --policies ['baseline', 'oea:S=2'], got 'oea:S=1'"),
+        (["eval", "--model", nowhere, "--data", text, "--policies", "weight:S=1,Nrank=0.5"],
+         "--policies: policy: 'weight:S=1,Nrank=0.5': rank_budget: a per-rank budget needs a placement (--ep-ranks), "
+         "got none"),
+        (["eval", "--model", nowhere, "--data", text, "--ep-placement", "round_robin"],
+         "--ep-placement: only used with --ep-ranks, got 'round_robin' without it"),
         (["eval", "--model", nowhere, "--data", text, "--token-range", "9:3"],
          "--token-range: expected 0 <= START < END, got '9:3'"),
         (["eval", "--model", nowhere, "--data", text, "--out-dir", tmp_path / "file"],
@@ -207,6 +212,26 @@ def test_eval_checks_every_spec_and_option_before_any_decoding(tmp_path, capsys,
         lines = [line for line in err.splitlines() if line.startswith("sere-fx")]
         assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"sere-fx {argv[0]}: error: {message}"), (argv, err)
     assert not (tmp_path / "p.json").exists()
+
+
+def test_eval_reports_the_busiest_expert_parallel_rank(tmp_path, capsys):
+    import json
+
+    from sere_fx.resources import testbed_model, testbed_text
+
+    out = tmp_path / "ep"
+    rc, stdout, err = cli(capsys, "eval", "--model", testbed_model(), "--data", testbed_text(), "--num-seqs", "8",
+                          "--batch-size", "8", "--steps", "3", "--ep-ranks", "4", "--policies", "weight:S=1,N=0.6",
+                          "weight:S=1,Nrank=0.5", "--out-dir", out)
+    assert rc == 0, err
+    assert "max-rank experts" in stdout and "the most loaded of 4 EP ranks (linear placement)" in stdout
+    results = {r["label"]: r for r in json.load(open(out / "eval.json"))["results"]}
+    for r in results.values():  # the busiest of 4 ranks holds at least a quarter, at most all
+        assert r["distinct"] / 4 - 1e-9 <= r["max_rank_distinct"] <= r["distinct"]
+    # 16 experts per rank; half of what a rank's share picked: at most 8 on any rank, every step
+    assert results["weight:S=1,Nrank=0.5"]["max_rank_distinct"] <= 8
+    assert results["baseline"]["max_rank_distinct"] > 8  # batch 8 x top-8: the cap binds
+    assert (out / "pareto_ep.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_demo_as_the_readme_runs_it(tmp_path, capsys, monkeypatch):

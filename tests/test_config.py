@@ -246,4 +246,4 @@ def test_readme_config_example_as_written(tmp_path, monkeypatch, capsys):
     model = scope["model"]
     assert model.sere_settings.layers == {0: OEAConfig(S=2), 1: WeightConfig(S=1, N=0.6), 2: TopKConfig(S=4),
                                           3: WeightConfig(S=1, N=24, min_importance=0.05)}
-    assert "WeightConfig(S=1, N=0.6, min_importance=None)" in capsys.readouterr().out
+    assert "1: WeightConfig(S=1, N=0.6, min_importance=None" in capsys.readouterr().out

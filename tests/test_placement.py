@@ -126,3 +126,49 @@ def test_eval_reports_the_most_loaded_rank():
     assert all(r.max_rank_distinct == pytest.approx(r.distinct) for r in one.results)  # one rank holds every expert
     per_expert = evaluate(model, windows, [], batch_size=4, prefill=2, progress=False, placement=Placement(16))
     assert per_expert.results[0].max_rank_distinct == 1.0  # one expert per rank
+
+
+def test_replay_counts_and_the_per_rank_cap_only_removes():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from ep_replay import replay
+
+    g = torch.Generator().manual_seed(3)
+    probs = torch.randn(2, 8, 4, 16, generator=g).softmax(-1)  # 2 layers, 8 steps of 4 tokens over 16 experts
+    (row,) = replay(probs, 4, [8], 0.5, 0.5, k=4)
+    assert row["experts"] == 64 and row["tokens_per_step"] == 16
+    # plain: each quarter holds one recorded batch's union, by hand
+    unions = [len(set(torch.topk(probs[layer, s], 4).indices.flatten().tolist()))
+              for layer in range(2) for s0 in range(0, 8, 4) for s in range(s0, s0 + 4)]
+    assert row["plain"]["distinct"] == pytest.approx(sum(unions) / (2 * 2))
+    # the per-rank cap only removes from the global budget's loaded set
+    assert row["per_rank"]["distinct"] <= row["global"]["distinct"] <= row["plain"]["distinct"]
+    assert row["per_rank"]["max_rank_distinct"] <= row["global"]["max_rank_distinct"]
+
+
+def test_routing_stats_count_the_busiest_rank():
+    model, ids = _tiny()
+    placement = Placement(4, "round_robin")
+    sere_fx.transform(model, None, WeightConfig(S=1, N=0.9, rank_budget=2, placement=placement), max_tokens=None,
+                      stats=placement)
+    seen = {}
+
+    def hook(index):
+        def record(module, args):
+            seen.setdefault(index, []).append(next(a for a in args[1:] if not a.dtype.is_floating_point).clone())
+        return record
+
+    for layer in sere_fx.discovery.find_moe_blocks(model):
+        layer.experts.register_forward_pre_hook(hook(layer.index))
+    with torch.no_grad():
+        model(ids)
+    owner = placement.owner(16)
+    for index, s in sere_fx.routing_stats(model).items():
+        d = s.as_dict()
+        busiest = [int(rank_load(x, owner, 4)[0].max()) for x in seen[index]]
+        assert s.max_rank_after == sum(busiest) and d["mean_max_rank_after"] <= 2  # the cap: 2 per rank
+        assert s.max_rank_before >= s.max_rank_after
+    with pytest.raises(ValueError, match=r"^stats: expected True, False or a sere_fx.Placement, got 4$"):
+        sere_fx.transform(tiny_model("qwen3_moe"), None, WeightConfig(N=3), stats=4)
