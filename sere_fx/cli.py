@@ -249,19 +249,27 @@ def cmd_tune(args) -> int:
 
     if (failed := _output_dir_missing("tune", args.out)) is not None:
         return failed
+    placement = None
+    if args.ep_ranks is not None:
+        from sere_fx.placement import Placement
+
+        placement = Placement(args.ep_ranks, args.ep_placement)
+    elif args.ep_placement != "linear":
+        return _error("tune", f"--ep-placement: only used with --ep-ranks, got {args.ep_placement!r} without it")
     _check_data(args)
     sim = _load_sim(args.sim)
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     result = tune(model, sim, windows, max_loss=args.max_loss, max_experts=args.max_experts, metric=args.metric,
-                  batch_size=args.batch_size,
-                  prefill=args.prefill, max_tokens=args.max_tokens)
+                  batch_size=args.batch_size, prefill=args.prefill, max_tokens=args.max_tokens, placement=placement)
     print(result.summary())
     save_plan(args.out, result.plan, tuned={"metric": result.metric, "max_loss": result.max_loss,
                                             "max_experts": result.max_experts, "loss": result.loss,
                                             "distinct": result.distinct, "baseline_distinct": result.baseline_distinct,
                                             "data": str(args.data), "token_range": args.token_range,
-                                            "sequences": int(windows.shape[0])})
+                                            "sequences": int(windows.shape[0]),
+                                            "ep": None if placement is None else {"ranks": placement.ranks,
+                                                                                  "strategy": placement.strategy}})
     print(f"wrote {args.out}; use it with sere_fx.transform(model, sim, plan={args.out!r}) or --policies plan:{args.out}")
     return 0
 
@@ -447,6 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="expert budget, for the best quality within it: at most F times the baseline's distinct "
                              "experts per layer per decode step (0 < F <= 1; e.g. 0.6 reads 40%% fewer)")
     t.add_argument("--metric", choices=["nll", "accuracy"], default="nll")
+    t.add_argument("--ep-ranks", type=_positive_int, default=None, metavar="R",
+                   help="tune for expert parallelism: count the busiest of R ranks' experts (--max-experts is then a "
+                        "fraction of the baseline's busiest-rank count) and add per-rank weight budgets to the candidates")
+    t.add_argument("--ep-placement", choices=["linear", "round_robin"], default="linear",
+                   help="how experts sit on the --ep-ranks ranks (default linear)")
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--prefill", type=int, default=4)
     t.add_argument("--steps", type=int, default=96)

@@ -35,11 +35,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sere_fx.config import Quantile, RoutingConfig, SereConfig, config
+from sere_fx.config import Quantile, RoutingConfig, SereConfig, WeightConfig, config
 from sere_fx.discovery import find_moe_layers
 from sere_fx.errors import ArgumentValueError
 from sere_fx.evaluate import DecodeScores, decode_scores
 from sere_fx.model_transform import restore, transform
+from sere_fx.placement import Placement
 from sere_fx.similarity import as_similarity, resolve
 
 METRICS = ("nll", "accuracy")
@@ -50,16 +51,20 @@ DEFAULT_QUANTILES = (0.5, 0.75)
 DEFAULT_BUDGETS = (0.4, 0.5, 0.6, 0.7, 0.8)
 
 
-def default_candidates(top_k: int, quantiles=DEFAULT_QUANTILES, budgets=DEFAULT_BUDGETS) -> list[tuple]:
+def default_candidates(top_k: int, quantiles=DEFAULT_QUANTILES, budgets=DEFAULT_BUDGETS,
+                       placement: Placement | None = None) -> list:
     """(policy, S, rho[, N]) candidates for a layer with top-``top_k`` routing: OEA at S in
     {1, 2, 3, K/2}; SERE at S in {1, 2, 3} with rho 0 and the given similarity quantiles;
-    ``weight`` at S=1 with the given budget fractions."""
+    ``weight`` at S=1 with the given budget fractions; with a ``placement``, also ``weight`` at
+    S=1 with those fractions as per-rank budgets (``WeightConfig``)."""
     sizes = sorted({s for s in (1, 2, 3, top_k // 2) if 1 <= s < top_k})
     out: list[tuple] = [("oea", s, None) for s in sizes]
     for s in sizes[:3]:
         out.append(("sere", s, 0.0))
         out.extend(("sere", s, Quantile(q)) for q in quantiles)
     out.extend(("weight", 1, None, f) for f in budgets)
+    if placement is not None:
+        out.extend(WeightConfig(S=1, rank_budget=f, placement=placement) for f in budgets)
     return out
 
 
@@ -100,18 +105,21 @@ class TuneResult:
     probes: list[Probe] = field(default_factory=list)
     rounds: int = 1
     max_experts: float | None = None  # the expert budget (fraction of the baseline's), or None
+    placement: Placement | None = None  # counts are the busiest EP rank's, or None: all experts
 
     def summary(self) -> str:
         if self.max_experts is None:
             head = f"{self.metric} loss {self.loss:+.4f} <= {self.max_loss}"
         else:
             head = f"experts <= {self.max_experts:g} x baseline; {self.metric} loss {self.loss:+.4f}"
-        lines = [f"tuned plan ({head}; experts/layer {self.distinct:.1f} vs {self.baseline_distinct:.1f}, "
+        what = "experts/layer" if self.placement is None else f"busiest-rank experts/layer ({self.placement.describe()})"
+        lines = [f"tuned plan ({head}; {what} {self.distinct:.1f} vs {self.baseline_distinct:.1f}, "
                  f"{100 * (self.distinct / self.baseline_distinct - 1):+.1f}%):"]
         for i, lp in sorted(self.plan.items()):
             rho = "" if lp.rho is None else f", rho={lp.rho:.3f}"
             n = "" if lp.N is None else f", N={lp.N:g}"
-            lines.append(f"  layer {i}: {lp.policy} S={lp.S}{rho}{n}")
+            rank = "" if getattr(lp, "rank_budget", None) is None else f", Nrank={lp.rank_budget:g}"
+            lines.append(f"  layer {i}: {lp.policy} S={lp.S}{rho}{n}{rank}")
         return "\n".join(lines)
 
 
@@ -173,16 +181,20 @@ def _uniform_plans(jobs, layers) -> list[dict[int, RoutingConfig]]:
 
 def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None = None,
          max_experts: float | None = None, metric: str = "nll", candidates=None, batch_size: int = 32,
-         prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True) -> TuneResult:
+         prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True,
+         placement: Placement | None = None) -> TuneResult:
     """Per-layer (policy, S, rho) for ``model`` on tuning ``windows``; see the module doc.
 
     Two budgets, give one: ``max_loss`` (default 0.02 when neither is given): the fewest experts
     whose loss stays within it; ``max_experts`` (a fraction of the baseline's distinct experts
     per layer per decode step, in (0, 1]): the lowest loss whose measured distinct experts stay
     within it (a speed target: the dual knapsack ``_choose_within`` in step 2).
-    ``candidates``: ``[(policy, S, rho), ...]`` or ``(policy, S, rho, N)`` tried on every layer (default
-    ``default_candidates``). The untouched setting is always a choice. ``verify_rounds``:
-    whole-plan evaluations in the budget search (step 3).
+    ``candidates``: ``[(policy, S, rho), ...]``, ``(policy, S, rho, N)`` or ``RoutingConfig`` objects
+    tried on every layer (default ``default_candidates``). The untouched setting is always a
+    choice. ``verify_rounds``: whole-plan evaluations in the budget search (step 3).
+    ``placement``: count the busiest expert-parallel rank's experts instead of all (what an EP
+    layer waits for): ``max_experts`` is then a fraction of the baseline's busiest-rank count, and
+    the default candidates add ``weight`` per-rank budgets on this placement.
     """
     if metric not in METRICS:
         raise ArgumentValueError("metric", f"metric: expected one of {list(METRICS)}, got {metric!r}")
@@ -200,8 +212,15 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     layers = find_moe_layers(model)
     sim = as_similarity(sim)
     matrices = resolve(sim, layers)
-    kw = dict(batch_size=batch_size, prefill=prefill, progress=False)
+    kw = dict(batch_size=batch_size, prefill=prefill, progress=False, placement=placement)
     base = decode_scores(model, windows, **kw)
+
+    def count(s: DecodeScores, index: int) -> float:  # one layer's experts: all, or the busiest rank's
+        return s.distinct[index] if placement is None else s.rank_distinct[index]
+
+    def mean_count(s: DecodeScores) -> float:
+        return s.mean_distinct if placement is None else s.mean_rank_distinct
+
     untouched = {layer.index: SereConfig(S=layer.top_k, rho=0.0) for layer in layers}  # S = K: identity
 
     def run(plan: dict[int, RoutingConfig]) -> DecodeScores:
@@ -214,8 +233,12 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     options: dict[int, list[Probe]] = {}
     jobs = []
     for layer in layers:
-        options[layer.index] = [Probe(layer.index, untouched[layer.index], 0.0, base.distinct[layer.index])]
-        for policy, S, rho, *N in candidates or default_candidates(layer.top_k):
+        options[layer.index] = [Probe(layer.index, untouched[layer.index], 0.0, count(base, layer.index))]
+        for candidate in candidates or default_candidates(layer.top_k, placement=placement):
+            if isinstance(candidate, RoutingConfig):
+                jobs.append((layer.index, candidate.for_layer(layer, matrices[layer.index])))
+                continue
+            policy, S, rho, *N = candidate
             if not 1 <= S <= layer.top_k:
                 raise ArgumentValueError("candidates", f"candidates: S={S} is outside [1, {layer.top_k}] for layer {layer.index}")
             if isinstance(rho, Quantile):
@@ -225,16 +248,16 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass", disable=not progress)
     for index, lp in jobs:
         s = run({**untouched, index: lp})
-        options[index].append(Probe(index, lp, _loss(base, s, metric), s.distinct[index]))
+        options[index].append(Probe(index, lp, _loss(base, s, metric), count(s, index)))
         bar.update(1)
-    base_distinct = float(sum(base.distinct.values()) / len(base.distinct))
+    base_distinct = mean_count(base)
     target = None if max_experts is None else max_experts * base_distinct  # mean distinct per layer
 
     def better(loss: float, s: DecodeScores, than) -> bool:
         """Within the budget, and better than ``than`` (None: nothing yet) at the tuned goal."""
         if target is None:
-            return loss <= max_loss and (than is None or s.mean_distinct < than[2].mean_distinct)
-        return s.mean_distinct <= target + 1e-9 and (than is None or (loss, s.mean_distinct) < (than[1], than[2].mean_distinct))
+            return loss <= max_loss and (than is None or mean_count(s) < mean_count(than[2]))
+        return mean_count(s) <= target + 1e-9 and (than is None or (loss, mean_count(s)) < (than[1], mean_count(than[2])))
 
     # the untouched model is always within a quality budget, never within an expert budget < 1
     best = (untouched, 0.0, base) if better(0.0, base, None) else None
@@ -268,10 +291,10 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
             budget = budget * min(max(scale, 0.5), 2.0) * (0.98 if loss > max_loss else 1.0)
         else:
             # layers interact: scale the summed per-layer budget by how far the whole plan missed
-            budget = budget * min(target / s.mean_distinct, 1.05) * (0.99 if s.mean_distinct > target else 1.0)
+            budget = budget * min(target / mean_count(s), 1.05) * (0.99 if mean_count(s) > target else 1.0)
     bar.close()
     if best is None:
-        smallest = min(s.mean_distinct for s in tried.values()) if tried else base_distinct
+        smallest = min(mean_count(s) for s in tried.values()) if tried else base_distinct
         raise ArgumentValueError("max_experts", f"max_experts: no plan of these candidates reads at most {max_experts:g} of the baseline's "
                          f"{base_distinct:.1f} experts per layer (the fewest measured: {smallest:.1f}); allow more "
                          f"experts or add candidates that read fewer, e.g. ('oea', 1, None)")
@@ -282,5 +305,5 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         if best_uniform[1] - best[1] <= _paired_se(base, best[2], best_uniform[2], metric):
             best = best_uniform
     plan, loss, s = best
-    return TuneResult(plan, loss, s.mean_distinct, base_distinct, metric, max_loss,
-                      [p for ps in options.values() for p in ps], rounds, max_experts)
+    return TuneResult(plan, loss, mean_count(s), base_distinct, metric, max_loss,
+                      [p for ps in options.values() for p in ps], rounds, max_experts, placement)

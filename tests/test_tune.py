@@ -158,3 +158,26 @@ def test_paired_standard_error_matches_the_bootstrap():
         ci = paired_bootstrap(a, b, resamples=4000)["dnll_ci" if metric == "nll" else "retention_ci"]
         width = (ci[1] - ci[0]) * (1 if metric == "nll" else a.accuracy / base.accuracy)
         assert se == pytest.approx(width / 3.92, rel=0.15), metric
+
+
+def test_expert_parallel_budget_counts_the_busiest_rank(setup):
+    from sere_fx import Placement, WeightConfig
+
+    model, sim, windows = setup
+    placement = Placement(4)
+    cands = [("oea", 1, None), WeightConfig(S=1, rank_budget=0.5, placement=placement)]
+    result = tune(model, sim, windows, max_experts=0.7, batch_size=6, prefill=2, candidates=cands, progress=False,
+                  placement=placement)
+    base = decode_scores(model, windows, batch_size=6, prefill=2, progress=False, placement=placement)
+    assert result.placement == placement and result.baseline_distinct == pytest.approx(base.mean_rank_distinct)
+    sere_fx.transform(model, None, result.plan, max_tokens=None)
+    try:
+        s = decode_scores(model, windows, batch_size=6, prefill=2, progress=False, placement=placement)
+    finally:
+        sere_fx.restore(model)
+    # measured independently: the busiest rank reads at most 0.7 of the baseline's busiest rank
+    assert s.mean_rank_distinct <= 0.7 * base.mean_rank_distinct + 1e-9
+    assert s.mean_rank_distinct == pytest.approx(result.distinct)
+    assert "busiest-rank experts/layer (4 EP ranks, linear placement)" in result.summary()
+    defaults = default_candidates(8, placement=placement)
+    assert WeightConfig(S=1, rank_budget=0.5, placement=placement) in defaults
