@@ -141,12 +141,26 @@ def _max_tokens(text: str) -> int | None:
     if text.lower() == "none":
         return None
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {text!r}")
-    return value
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {text!r}") from None
+
+
+def _placement(args):
+    """``--ep-ranks`` / ``--ep-placement`` as a ``Placement`` (None without ``--ep-ranks``)."""
+    if args.ep_ranks is None:
+        if args.ep_placement != "linear":
+            raise CliError(f"--ep-placement: only used with --ep-ranks, got {args.ep_placement!r} without it")
+        return None
+    from sere_fx.placement import Placement
+
+    return Placement(args.ep_ranks, args.ep_placement)
+
+
+def _ep_args(p, what: str) -> None:
+    p.add_argument("--ep-ranks", type=_positive_int, default=None, metavar="R", help=what)
+    p.add_argument("--ep-placement", choices=["linear", "round_robin"], default="linear",
+                   help="how experts sit on the --ep-ranks ranks, as vLLM places them (default linear)")
 
 
 def cmd_inspect(args) -> int:
@@ -186,13 +200,7 @@ def cmd_eval(args) -> int:
     from sere_fx.evaluate import DEFAULT_POLICIES, evaluate, parse_policy
 
     args.policies = args.policies or list(DEFAULT_POLICIES)
-    placement = None
-    if args.ep_ranks is not None:
-        from sere_fx.placement import Placement
-
-        placement = Placement(args.ep_ranks, args.ep_placement)
-    elif args.ep_placement != "linear":
-        return _error("eval", f"--ep-placement: only used with --ep-ranks, got {args.ep_placement!r} without it")
+    placement = _placement(args)
     specs = []
     for spec in args.policies:  # before any model is loaded: syntax, values, plan files
         try:
@@ -249,13 +257,7 @@ def cmd_tune(args) -> int:
 
     if (failed := _output_dir_missing("tune", args.out)) is not None:
         return failed
-    placement = None
-    if args.ep_ranks is not None:
-        from sere_fx.placement import Placement
-
-        placement = Placement(args.ep_ranks, args.ep_placement)
-    elif args.ep_placement != "linear":
-        return _error("tune", f"--ep-placement: only used with --ep-ranks, got {args.ep_placement!r} without it")
+    placement = _placement(args)
     _check_data(args)
     sim = _load_sim(args.sim)
     model, tokenizer = _load_model(args.model, args.dtype)
@@ -431,11 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the standard comparison set)")
     e.add_argument("--max-tokens", type=_max_tokens, default=None,
                    help="passed to transform (default None: every decode step is re-routed)")
-    e.add_argument("--ep-ranks", type=_positive_int, default=None, metavar="R",
-                   help="also report, per layer per decode step, the most loaded of R expert-parallel ranks "
-                        "(distinct experts read and token-slots), next to the totals")
-    e.add_argument("--ep-placement", choices=["linear", "round_robin"], default="linear",
-                   help="how experts sit on the --ep-ranks ranks, as vLLM places them (default linear)")
+    _ep_args(e, "also report, per layer per decode step, the most loaded of R expert-parallel ranks (distinct "
+                "experts read and token-slots), next to the totals")
     e.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),
                    help="also print a paired comparison of policy B against policy A (repeatable)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -455,11 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="expert budget, for the best quality within it: at most F times the baseline's distinct "
                              "experts per layer per decode step (0 < F <= 1; e.g. 0.6 reads 40%% fewer)")
     t.add_argument("--metric", choices=["nll", "accuracy"], default="nll")
-    t.add_argument("--ep-ranks", type=_positive_int, default=None, metavar="R",
-                   help="tune for expert parallelism: count the busiest of R ranks' experts (--max-experts is then a "
-                        "fraction of the baseline's busiest-rank count) and add per-rank weight budgets to the candidates")
-    t.add_argument("--ep-placement", choices=["linear", "round_robin"], default="linear",
-                   help="how experts sit on the --ep-ranks ranks (default linear)")
+    _ep_args(t, "tune for expert parallelism: count the busiest of R ranks' experts (--max-experts is then a "
+                "fraction of the baseline's busiest-rank count) and add per-rank weight budgets to the candidates")
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--prefill", type=int, default=4)
     t.add_argument("--steps", type=int, default=96)
