@@ -287,6 +287,25 @@ def test_statistics_count_decode_rows(engine_state):
     assert len(after) < len(before)
 
 
+def test_statistics_count_the_busiest_expert_parallel_rank(engine_state):
+    from sere_fx import Placement
+
+    placement = Placement(4, "round_robin")
+    engine_state.stats[5] = torch.zeros(len(engine.STAT_FIELDS), dtype=torch.float64)
+    engine_state.rank_stats[5] = torch.zeros(len(engine.EP_STAT_FIELDS), dtype=torch.float64)
+    engine_state.owner[5], engine_state.ep_ranks = placement.owner(E), 4
+    x, (w0, ids0), (w1, ids1) = routed("softmax", LayerPlan("sere", 2, 0.0), stats=True, layer=5)
+    stats = engine.worker_stats()[5]
+    rows = DECODE_ROWS.nonzero().flatten().tolist()
+    before = {e for t in rows for e in ids0[t].tolist()}
+    after = {e for t in rows for e in ids1[t].tolist()}
+    slots = [e for t in rows for e in ids1[t].tolist()]
+    assert stats["max_rank_before"] == max(sum(1 for e in before if e % 4 == r) for r in range(4))
+    assert stats["max_rank_after"] == max(sum(1 for e in after if e % 4 == r) for r in range(4))
+    assert stats["max_rank_slots_after"] == max(sum(1 for e in slots if e % 4 == r) for r in range(4))
+    assert stats["distinct_after"] / 4 <= stats["max_rank_after"] <= stats["distinct_after"]
+
+
 def test_a_request_value_that_is_not_a_bool_is_warned_about_once(engine_state, monkeypatch):
     warned = []
     monkeypatch.setattr(engine_state, "warn_once", lambda key, msg, *a: warned.append((key, msg % a)))

@@ -16,6 +16,7 @@ else:
     pytest.importorskip("vllm")
 
 from sere_fx import Similarity  # noqa: E402
+from sere_fx.placement import Placement  # noqa: E402
 from sere_fx.plan import LayerPlan, Quantile, save_plan  # noqa: E402
 from sere_fx.vllm import engine  # noqa: E402
 from vllm_models import TESTBED_MODEL  # noqa: E402
@@ -136,6 +137,20 @@ def test_attach_refuses_models_without_moe_layers_and_engines_it_cannot_follow(s
                                             f'{KEY}\\["dp_loaded_set"\\] is true'):
         engine.check_engine_config(_vllm_config(dp=2), parse({"sim": sim_file}))
     engine.check_engine_config(_vllm_config(dp=2), parse({"sim": sim_file, "dp_loaded_set": True}))
+    # where the statistics count the busiest EP rank: the engine's own EP, else the settings
+    ep = SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2, data_parallel_size=4,
+                         expert_placement_strategy="round_robin")
+    assert engine.stats_placement(parse({"sim": sim_file}), ep) == Placement(8, "round_robin")
+    no_ep = SimpleNamespace(enable_expert_parallel=False)
+    assert engine.stats_placement(parse({"sim": sim_file, "stats": True, "ep_ranks": 4}), no_ep) == Placement(4)
+    assert engine.stats_placement(parse({"sim": sim_file}), no_ep) is None
+    for raw, message in [({"stats": True, "ep_ranks": 0}, '\\["ep_ranks"\\]: expected a positive int'),
+                         ({"ep_ranks": 4}, '\\["ep_ranks"\\]: only the statistics read it'),
+                         ({"stats": True, "ep_ranks": 4, "ep_placement": "striped"},
+                          '\\["ep_placement"\\]: expected \'linear\' or \'round_robin\''),
+                         ({"stats": True, "ep_placement": "round_robin"}, '\\["ep_placement"\\]: only used with')]:
+        with pytest.raises(SettingsError, match=KEY + message):
+            parse({"sim": sim_file, **raw})
     with pytest.raises(SettingsError, match=f'{KEY}\\["dp_loaded_set"\\]: expected true or false, got 1'):
         parse({"sim": sim_file, "dp_loaded_set": 1})
     with pytest.raises(SettingsError, match=f"{KEY}: micro-batching \\(enable_dbo=True, ubatch_size=0\\) .* expected "

@@ -177,7 +177,9 @@ def routing_stats(llm) -> dict[int, dict[str, float]]:
     (``decode_steps`` is the count of layer calls that had re-routed rows; ``decode_rows`` the rows
     re-routed; ``prefill_rows`` the real rows of those calls that kept the model's routing: prompt
     rows, opted-out requests; ``free_after`` the experts the re-routed rows read that those rows
-    read anyway).
+    read anyway). With an expert-parallel placement (``"ep_ranks"``, or the engine's own EP) also
+    ``"max_rank_before"``, ``"max_rank_after"`` (the busiest rank's distinct experts) and
+    ``"max_rank_slots_after"`` (its token-slots).
 
     Gathered from every worker; tensor-parallel ranks route the same tokens the same way, and
     a disagreement raises. Needs ``"stats": true`` in the settings.

@@ -32,6 +32,7 @@ import torch
 
 from sere_fx.kernels import reroute_cpu
 from sere_fx.ops import free_experts, primary_mask, reroute_kernel
+from sere_fx.placement import Placement
 from sere_fx.policies import TOPK_POLICIES
 from sere_fx.vllm import _logger
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install
@@ -48,6 +49,9 @@ REQUEST_KEY = "sere"
 # ``free_after``: distinct experts the re-routed rows read that kept rows read anyway.
 STAT_FIELDS = ("decode_steps", "decode_rows", "prefill_rows", "distinct_before", "distinct_after", "slots_rerouted",
                "critical_kept", "free_after")
+# With an expert-parallel placement (``ep_ranks``, or the engine's own EP): per call, the busiest
+# rank's distinct experts before / after and token-slots after, summed like the fields above.
+EP_STAT_FIELDS = ("max_rank_before", "max_rank_after", "max_rank_slots_after")
 
 
 class _Engine:
@@ -59,6 +63,9 @@ class _Engine:
         self.positions: torch.Tensor | None = None  # int32 arange [max_tokens]
         self.request_flags: torch.Tensor | None = None  # bool [max_reqs + 1]: re-routed requests
         self.stats: dict[int, torch.Tensor] = {}  # layer -> float64 [len(STAT_FIELDS)]
+        self.rank_stats: dict[int, torch.Tensor] = {}  # layer -> float64 [len(EP_STAT_FIELDS)], with a placement
+        self.owner: dict[int, torch.Tensor] = {}  # layer -> each expert's EP rank, with a placement
+        self.ep_ranks = 0
         self.layers: dict[int, LayerRouting] = {}
         self.decode_only = True
         self.spec_decode = "reroute"
@@ -219,6 +226,16 @@ def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int
         (seen_after & free).sum().double(),
     ])
     ENGINE.stats[layer].add_(values.to(ENGINE.stats[layer].device))
+    if layer in ENGINE.rank_stats:  # the busiest expert-parallel rank, on the device (no host sync)
+        owner, ranks = ENGINE.owner[layer], ENGINE.ep_ranks
+        per_rank = lambda mask: torch.zeros(ranks, dtype=torch.float64, device=owner.device).index_add_(  # noqa: E731
+            0, owner, mask.double())
+        ids = after.long().clamp(0, e - 1)
+        counted = rows.unsqueeze(1) & (after >= 0) & (after < e)
+        slots = torch.zeros(ranks, dtype=torch.float64, device=owner.device).index_add_(
+            0, owner[ids].flatten(), counted.flatten().double())
+        ranked = torch.stack([per_rank(seen_before).max(), per_rank(seen_after).max(), slots.max()]) * active
+        ENGINE.rank_stats[layer].add_(ranked.to(ENGINE.rank_stats[layer].device))
     return after.clone()
 
 
@@ -276,6 +293,18 @@ def engine_layers(runners) -> list[EngineLayer]:
         layers.append(EngineLayer(extract_layer_index(runner.layer_name), runner.layer_name,
                                   runner.moe_config.num_logical_experts, runner.router.top_k))
     return layers
+
+
+def stats_placement(settings, parallel) -> Placement | None:
+    """Where the statistics count the busiest expert-parallel rank: the engine's own EP (size
+    TP x DP, its placement strategy), else ``ep_ranks`` / ``ep_placement`` from the settings."""
+    if getattr(parallel, "enable_expert_parallel", False):
+        size = parallel.tensor_parallel_size * parallel.data_parallel_size
+        if size > 1:
+            return Placement(size, getattr(parallel, "expert_placement_strategy", "linear"))
+    if settings.ep_ranks is not None:
+        return Placement(settings.ep_ranks, settings.ep_placement)
+    return None
 
 
 def _dp_all_reduce():
@@ -365,7 +394,9 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
     scheduler = vllm_config.scheduler_config
     ENGINE.allocate(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, device)
     ENGINE.decode_only, ENGINE.spec_decode = settings.decode_only, settings.spec_decode
-    ENGINE.stats = {}
+    ENGINE.stats, ENGINE.rank_stats, ENGINE.owner = {}, {}, {}
+    placement = stats_placement(settings, vllm_config.parallel_config)
+    ENGINE.ep_ranks = 0 if placement is None else placement.ranks
     reduce = None
     if settings.dp_loaded_set and vllm_config.parallel_config.data_parallel_size > 1:
         reduce = _dp_all_reduce()
@@ -393,6 +424,9 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
         installed[layer.index] = routing
         if settings.stats:
             ENGINE.stats[layer.index] = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=device)
+            if placement is not None:
+                ENGINE.owner[layer.index] = placement.owner(layer.num_experts, device=device)
+                ENGINE.rank_stats[layer.index] = torch.zeros(len(EP_STAT_FIELDS), dtype=torch.float64, device=device)
     ENGINE.layers = installed
     summary = ", ".join(f"{i}: {p.policy} S={p.S}" + (f" rho={p.rho:.3g}" if p.rho is not None else "")
                         + (f" N={p.N}" if p.N is not None else "") for i, p in sorted(plans.items()))
@@ -406,9 +440,12 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
 
 def worker_stats(worker=None) -> dict[int, dict[str, float]]:
     """This worker's counters as ``{layer: {field: sum}}`` (empty when stats are off)."""
-    return {layer: dict(zip(STAT_FIELDS, acc.tolist())) for layer, acc in sorted(ENGINE.stats.items())}
+    out = {layer: dict(zip(STAT_FIELDS, acc.tolist())) for layer, acc in sorted(ENGINE.stats.items())}
+    for layer, acc in ENGINE.rank_stats.items():
+        out[layer].update(zip(EP_STAT_FIELDS, acc.tolist()))
+    return out
 
 
 def reset_worker_stats(worker=None) -> None:
-    for acc in ENGINE.stats.values():
+    for acc in (*ENGINE.stats.values(), *ENGINE.rank_stats.values()):
         acc.zero_()

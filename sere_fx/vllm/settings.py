@@ -34,7 +34,8 @@ from sere_fx.similarity import Similarity, resolve
 
 SETTINGS_KEY = "sere"
 WHERE = f'additional_config["{SETTINGS_KEY}"]'
-_KEYS = ("sim", "S", "rho", "N", "policy", "plan", "decode_only", "spec_decode", "stats", "dp_loaded_set")
+_KEYS = ("sim", "S", "rho", "N", "policy", "plan", "decode_only", "spec_decode", "stats", "dp_loaded_set", "ep_ranks",
+         "ep_placement")
 SPEC_DECODE = ("reroute", "keep")
 
 
@@ -57,6 +58,8 @@ class EngineSettings:
     spec_decode: str = "reroute"
     stats: bool = False
     dp_loaded_set: bool = False  # data-parallel ranks agree on one primary / loaded set per layer call
+    ep_ranks: int | None = None  # statistics also count the busiest of this many EP ranks
+    ep_placement: str = "linear"
     raw: dict = field(default_factory=dict, compare=False)
     routing: object = field(default=None, compare=False)  # the settings as configs (config.routing_spec)
 
@@ -127,6 +130,17 @@ def parse(raw) -> EngineSettings:
         rho = _rho(raw.get("rho"))
     except ValueError as exc:
         raise SettingsError(f"{_key('rho')}: {exc}") from None
+    ep_ranks, ep_placement = raw.get("ep_ranks"), raw.get("ep_placement", "linear")
+    if ep_ranks is not None and (isinstance(ep_ranks, bool) or not isinstance(ep_ranks, int) or ep_ranks < 1):
+        raise SettingsError(f"{_key('ep_ranks')}: expected a positive int (expert-parallel ranks), got {ep_ranks!r}")
+    if ep_placement not in ("linear", "round_robin"):
+        raise SettingsError(f"{_key('ep_placement')}: expected 'linear' or 'round_robin', got {ep_placement!r}")
+    if ("ep_ranks" in raw or "ep_placement" in raw) and not raw.get("stats", False):
+        given = "ep_ranks" if "ep_ranks" in raw else "ep_placement"
+        raise SettingsError(f"{_key(given)}: only the statistics read it; expected \"stats\": true with it, got "
+                            f"{raw[given]!r} without")
+    if "ep_placement" in raw and ep_ranks is None:
+        raise SettingsError(f"{_key('ep_placement')}: only used with \"ep_ranks\", got {ep_placement!r} without it")
     plan = raw.get("plan")
     if plan is not None:
         given = [name for name in ("policy", "S", "rho", "N") if name in raw]
@@ -156,6 +170,8 @@ def parse(raw) -> EngineSettings:
         spec_decode=spec_decode,
         stats=raw.get("stats", False),
         dp_loaded_set=raw.get("dp_loaded_set", False),
+        ep_ranks=ep_ranks,
+        ep_placement=ep_placement,
         raw=dict(raw),
         routing=routing,
     )
