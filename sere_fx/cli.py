@@ -263,7 +263,8 @@ def cmd_tune(args) -> int:
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     result = tune(model, sim, windows, max_loss=args.max_loss, max_experts=args.max_experts, metric=args.metric,
-                  batch_size=args.batch_size, prefill=args.prefill, max_tokens=args.max_tokens, placement=placement)
+                  batch_size=args.batch_size, prefill=args.prefill, max_tokens=args.max_tokens, placement=placement,
+                  probe_sequences=args.probe_seqs)
     print(result.summary())
     save_plan(args.out, result.plan, tuned={"metric": result.metric, "max_loss": result.max_loss,
                                             "max_experts": result.max_experts, "loss": result.loss,
@@ -458,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "fraction of the baseline's busiest-rank count) and add per-rank weight budgets to the candidates")
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--prefill", type=int, default=4)
+    t.add_argument("--probe-seqs", type=_positive_int, default=None, metavar="N",
+                   help="run the per-layer probes (most of tune's passes) on the first N sequences only; whole plans "
+                        "are still checked on all (default: all)")
     t.add_argument("--steps", type=int, default=96)
     t.add_argument("--max-tokens", type=_max_tokens, default=None, help="passed to transform (default None)")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -182,7 +182,7 @@ def _uniform_plans(jobs, layers) -> list[dict[int, RoutingConfig]]:
 def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None = None,
          max_experts: float | None = None, metric: str = "nll", candidates=None, batch_size: int = 32,
          prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True,
-         placement: Placement | None = None) -> TuneResult:
+         placement: Placement | None = None, probe_sequences: int | None = None) -> TuneResult:
     """Per-layer (policy, S, rho) for ``model`` on tuning ``windows``; see the module doc.
 
     Two budgets, give one: ``max_loss`` (default 0.02 when neither is given): the fewest experts
@@ -195,6 +195,9 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     ``placement``: count the busiest expert-parallel rank's experts instead of all (what an EP
     layer waits for): ``max_experts`` is then a fraction of the baseline's busiest-rank count, and
     the default candidates add ``weight`` per-rank budgets on this placement.
+    ``probe_sequences``: run the per-layer probes (step 1, most of the passes) on the first this
+    many windows only, against a baseline of the same windows; uniform plans and whole-plan checks
+    still run on all of them (None: probes on all).
     """
     if metric not in METRICS:
         raise ArgumentValueError("metric", f"metric: expected one of {list(METRICS)}, got {metric!r}")
@@ -209,6 +212,11 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         max_loss = 0.02
     if max_loss is not None and not (isinstance(max_loss, (int, float)) and math.isfinite(max_loss) and max_loss >= 0):
         raise ArgumentValueError("max_loss", f"max_loss: expected a finite number >= 0, got {max_loss!r}")
+    n = int(windows.shape[0])
+    if probe_sequences is not None and (isinstance(probe_sequences, bool) or not isinstance(probe_sequences, int)
+                                        or not batch_size <= probe_sequences <= n):
+        raise ArgumentValueError("probe_sequences", f"probe_sequences: expected an int in [{batch_size}, {n}] (at "
+                                                    f"least one batch, at most the windows), got {probe_sequences!r}")
     layers = find_moe_layers(model)
     sim = as_similarity(sim)
     matrices = resolve(sim, layers)
@@ -223,17 +231,20 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
 
     untouched = {layer.index: SereConfig(S=layer.top_k, rho=0.0) for layer in layers}  # S = K: identity
 
-    def run(plan: dict[int, RoutingConfig]) -> DecodeScores:
+    def run(plan: dict[int, RoutingConfig], on: torch.Tensor = windows) -> DecodeScores:
         transform(model, sim, plan=plan, max_tokens=max_tokens)
         try:
-            return decode_scores(model, windows, **kw)
+            return decode_scores(model, on, **kw)
         finally:
             restore(model)
+
+    probe_windows = windows if probe_sequences in (None, n) else windows[:probe_sequences]
+    probe_base = base if probe_windows is windows else decode_scores(model, probe_windows, **kw)
 
     options: dict[int, list[Probe]] = {}
     jobs = []
     for layer in layers:
-        options[layer.index] = [Probe(layer.index, untouched[layer.index], 0.0, count(base, layer.index))]
+        options[layer.index] = [Probe(layer.index, untouched[layer.index], 0.0, count(probe_base, layer.index))]
         for candidate in candidates or default_candidates(layer.top_k, placement=placement):
             if isinstance(candidate, RoutingConfig):
                 jobs.append((layer.index, candidate.for_layer(layer, matrices[layer.index])))
@@ -247,8 +258,8 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     uniform = _uniform_plans(jobs, layers)
     bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass", disable=not progress)
     for index, lp in jobs:
-        s = run({**untouched, index: lp})
-        options[index].append(Probe(index, lp, _loss(base, s, metric), count(s, index)))
+        s = run({**untouched, index: lp}, probe_windows)
+        options[index].append(Probe(index, lp, _loss(probe_base, s, metric), count(s, index)))
         bar.update(1)
     base_distinct = mean_count(base)
     target = None if max_experts is None else max_experts * base_distinct  # mean distinct per layer

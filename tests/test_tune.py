@@ -181,3 +181,34 @@ def test_expert_parallel_budget_counts_the_busiest_rank(setup):
     assert "busiest-rank experts/layer (4 EP ranks, linear placement)" in result.summary()
     defaults = default_candidates(8, placement=placement)
     assert WeightConfig(S=1, rank_budget=0.5, placement=placement) in defaults
+
+
+def test_probes_on_a_subset_of_windows(setup, monkeypatch):
+    import sere_fx.tuning as tuning
+
+    model, sim, windows = setup  # 12 windows
+    sizes = []
+    real = tuning.decode_scores
+
+    def counted(model_, windows_, **kw):
+        sizes.append(int(windows_.shape[0]))
+        return real(model_, windows_, **kw)
+
+    monkeypatch.setattr(tuning, "decode_scores", counted)
+    cands = [("oea", 1, None), ("oea", 2, None)]
+    result = tune(model, sim, windows, max_experts=0.8, batch_size=6, prefill=2, candidates=cands, progress=False,
+                  probe_sequences=6)
+    layers = len(find_moe_layers(model))
+    # baseline on all, baseline of the probe windows, one probe per layer and candidate on 6 windows;
+    # uniform plans and whole-plan checks on all 12
+    assert sizes[:2] == [12, 6] and sizes[2:2 + layers * len(cands)] == [6] * (layers * len(cands))
+    assert all(s == 12 for s in sizes[2 + layers * len(cands):])
+    base = real(model, windows, batch_size=6, prefill=2, progress=False)
+    sere_fx.transform(model, sim, plan=result.plan, max_tokens=None)
+    try:
+        s = real(model, windows, batch_size=6, prefill=2, progress=False)
+    finally:
+        sere_fx.restore(model)
+    assert s.mean_distinct <= 0.8 * base.mean_distinct + 1e-9 and s.mean_distinct == pytest.approx(result.distinct)
+    with pytest.raises(ValueError, match=r"^probe_sequences: expected an int in \[6, 12\] .* got 3$"):
+        tune(model, sim, windows, max_experts=0.8, batch_size=6, prefill=2, candidates=cands, probe_sequences=3)
