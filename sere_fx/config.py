@@ -238,11 +238,13 @@ INDEX_POLICIES = tuple(p for p, c in CONFIGS.items() if c.needs_similarity)  # t
 DEFAULT_POLICY = "sere"  # of the keyword spelling, when no policy is named
 
 
-def config(policy: str | None = None, S: int | None = None, rho=None, N=None) -> RoutingConfig:
+def config(policy: str | None = None, S: int | None = None, rho=None, N=None, *, rank_budget=None,
+           placement=None) -> RoutingConfig:
     """One layer's config from the keyword spelling; None is "not given" (the config's default).
 
     ``rho`` is the similarity threshold of the index policies and ``weight``'s ``min_importance``;
-    errors say the keyword (``rho``), not the field.
+    errors say the keyword (``rho``), not the field. ``rank_budget`` / ``placement``: ``weight``'s
+    per-rank budget (plan files, ``eval``'s ``Nrank=``).
     """
     policy = DEFAULT_POLICY if policy is None else policy
     if policy not in CONFIGS:
@@ -250,8 +252,11 @@ def config(policy: str | None = None, S: int | None = None, rho=None, N=None) ->
     cls = CONFIGS[policy]
     kwargs = {} if S is None else {"S": S}
     if cls is WeightConfig:
-        kwargs.update(N=N, min_importance=rho)
+        kwargs.update(N=N, min_importance=rho, rank_budget=rank_budget, placement=placement)
     else:
+        if rank_budget is not None or placement is not None:
+            raise argument_error("rank_budget", f"rank_budget: only policy 'weight' takes a per-rank budget, "
+                                                f"got policy {policy!r}")
         if N is not None:
             raise argument_error("N", f"N: only policy 'weight' takes an expert budget (leave it None for {policy!r}), "
                                       f"got {N!r}")
@@ -263,10 +268,9 @@ def config(policy: str | None = None, S: int | None = None, rho=None, N=None) ->
     try:
         return cls(**kwargs)
     except ArgumentError as exc:
-        if exc.arg == "min_importance":
-            raise exc.renamed("rho", words={"min_importance": "rho"}) from None
-        if "min_importance" in exc.message:
-            raise exc.renamed(exc.arg, words={"min_importance": "rho"}) from None
+        if "min_importance" in exc.message:  # the field, said as its keyword
+            arg = "rho" if exc.arg == "min_importance" else exc.arg
+            raise exc.renamed(arg, words={"min_importance": "rho"}) from None
         raise
 
 
@@ -277,15 +281,10 @@ def from_dict(entry: Mapping, layer: int) -> RoutingConfig:
     if set(entry) - {"policy", "S", "rho", "N", "rank_budget", "placement"} or not {"policy", "S"} <= set(entry):
         raise argument_error("plan", f"{where}: expected keys policy, S, rho and N, got {sorted(entry)}")
     try:
-        if "rank_budget" in entry or "placement" in entry:  # weight's per-rank budget: only in the config spelling
-            if entry["policy"] != "weight":
-                raise argument_error("rank_budget", f"rank_budget: only policy 'weight' takes a per-rank budget, "
-                                                    f"got policy {entry['policy']!r}")
-            placement = entry.get("placement")
-            return WeightConfig(S=entry["S"], N=entry.get("N"), min_importance=entry.get("rho"),
-                                rank_budget=entry.get("rank_budget"),
-                                placement=None if placement is None else Placement(**placement))
-        return config(entry["policy"], entry["S"], entry.get("rho"), entry.get("N"))
+        placement = entry.get("placement")
+        return config(entry["policy"], entry["S"], entry.get("rho"), entry.get("N"),
+                      rank_budget=entry.get("rank_budget"),
+                      placement=None if placement is None else Placement(**placement))
     except ArgumentError as exc:
         err = argument_error("plan", f"{where}: {exc.message}", exc._kind())
         err.layer, err.detail = layer, exc.message  # for front-ends that say where the plan file is
@@ -321,7 +320,7 @@ class Keywords:
         picked = {name: v.get(key) if isinstance(v, Mapping) else v for name, v in values.items()}
         try:
             s = picked["S"]
-            if layer is not None and isinstance(s, int) and not isinstance(s, bool) and not 1 <= s <= layer.top_k:
+            if layer is not None and isinstance(s, int) and not isinstance(s, bool):
                 _check_top_k(s, layer)
             return config(**picked)
         except ArgumentError as exc:

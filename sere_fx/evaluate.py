@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sere_fx.config import WeightConfig, needs_similarity, plan_for_layers, routing_spec
+from sere_fx.config import config, needs_similarity, plan_for_layers, routing_spec
 from sere_fx.discovery import find_moe_blocks, find_moe_layers
 from sere_fx.errors import ArgumentError, ArgumentTypeError, ArgumentValueError, argument_error
 from sere_fx.model_transform import restore, transform
@@ -45,16 +45,11 @@ class PolicySpec:
         """The settings as configs (``config.routing_spec``: plan files read, values checked); errors
         name ``policy`` and the spec as typed. ``placement``: what a per-rank budget (``Nrank=``) caps."""
         try:
-            if "rank_budget" in self.kwargs:
-                kw = dict(self.kwargs)
-                if kw.pop("policy") != "weight":
-                    raise ArgumentValueError("rank_budget", "rank_budget: only policy 'weight' takes a per-rank "
-                                                            "budget (Nrank=)")
+            if "rank_budget" in self.kwargs:  # one config: the per-rank budget is not a keyword of transform
                 if placement is None:
                     raise ArgumentValueError("rank_budget", "rank_budget: a per-rank budget needs a placement "
                                                             "(--ep-ranks), got none")
-                return WeightConfig(**({"S": kw["S"]} if "S" in kw else {}), N=kw.get("N"),
-                                    min_importance=kw.get("rho"), rank_budget=kw["rank_budget"], placement=placement)
+                return config(**self.kwargs, placement=placement)
             return routing_spec(**self.kwargs)
         except ArgumentError as exc:
             raise argument_error("policy", f"policy: {self.label!r}: {exc.message}", exc._kind()) from None

@@ -28,6 +28,7 @@ class LayerStats:
     max_rank_slots_after: int = 0
     placement: Placement | None = field(default=None, repr=False)
     num_experts: int | None = field(default=None, repr=False)
+    _owner: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def record(self, ranked_ids: torch.Tensor, rerouted: torch.Tensor, S: int) -> None:
         with torch.no_grad():
@@ -43,9 +44,10 @@ class LayerStats:
                 self.slots_rerouted += ranked_ids.numel() - rerouted.numel()
             self.critical_kept += int((~torch.isin(after, primary)).sum())
             if self.placement is not None:
-                owner = self.placement.owner(self.num_experts)
-                before, _ = rank_load(ranked_ids.cpu(), owner, self.placement.ranks)
-                after_rank, slots = rank_load(rerouted.cpu(), owner, self.placement.ranks)
+                if self._owner is None:  # once: the map does not change between calls
+                    self._owner = self.placement.owner(self.num_experts)
+                before, _ = rank_load(ranked_ids.cpu(), self._owner, self.placement.ranks)
+                after_rank, slots = rank_load(rerouted.cpu(), self._owner, self.placement.ranks)
                 self.max_rank_before += int(before.max())
                 self.max_rank_after += int(after_rank.max())
                 self.max_rank_slots_after += int(slots.max())
@@ -56,7 +58,7 @@ class LayerStats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.pop("placement"), d.pop("num_experts")
+        d.pop("placement"), d.pop("num_experts"), d.pop("_owner")
         d["mean_distinct_before"] = self.distinct_before / self.calls if self.calls else 0.0
         d["mean_distinct_after"] = self.distinct_after / self.calls if self.calls else 0.0
         if self.placement is None:

@@ -42,6 +42,16 @@ def test_default_candidates():
     assert all(c[1] <= 3 for c in cands if c[0] == "sere")
 
 
+def _measured(model, sim, windows, scores=decode_scores, placement=None, **settings):
+    """Decode scores of ``model`` transformed with ``settings``, measured apart from ``tune``."""
+    sere_fx.transform(model, sim, max_tokens=None, **settings)
+    try:
+        kw = {} if placement is None else {"placement": placement}
+        return scores(model, windows, batch_size=6, prefill=2, progress=False, **kw)
+    finally:
+        sere_fx.restore(model)
+
+
 @pytest.fixture(scope="module")
 def setup():
     model = tiny_model("olmoe", seed=2)
@@ -58,11 +68,7 @@ def test_tuned_plan_is_within_budget_when_measured_independently(setup, max_loss
                   candidates=[("oea", 1, None), ("oea", 2, None), ("sere", 1, 0.0)], progress=False)
     assert not sere_fx.is_transformed(model)
     base = decode_scores(model, windows, batch_size=6, prefill=2, progress=False)
-    sere_fx.transform(model, sim, plan=result.plan, max_tokens=None)
-    try:
-        s = decode_scores(model, windows, batch_size=6, prefill=2, progress=False)
-    finally:
-        sere_fx.restore(model)
+    s = _measured(model, sim, windows, plan=result.plan)
     loss = s.mean_nll - base.mean_nll
     assert loss == pytest.approx(result.loss, abs=1e-9) and loss <= max_loss + 1e-12
     assert s.mean_distinct == pytest.approx(result.distinct)
@@ -118,11 +124,7 @@ def test_expert_budget_plan_is_within_budget_when_measured_independently(setup):
     measured = {}
     for name, kwargs in (("plan", dict(plan=result.plan)), ("oea1", dict(policy="oea", S=1)),
                          ("oea2", dict(policy="oea", S=2))):
-        sere_fx.transform(model, sim if name == "plan" else None, max_tokens=None, **kwargs)
-        try:
-            measured[name] = decode_scores(model, windows, batch_size=6, prefill=2, progress=False)
-        finally:
-            sere_fx.restore(model)
+        measured[name] = _measured(model, sim if name == "plan" else None, windows, **kwargs)
     s = measured["plan"]
     assert s.mean_distinct <= 0.8 * base.mean_distinct + 1e-9 and s.mean_distinct == pytest.approx(result.distinct)
     assert s.mean_nll - base.mean_nll == pytest.approx(result.loss, abs=1e-9)
@@ -170,11 +172,7 @@ def test_expert_parallel_budget_counts_the_busiest_rank(setup):
                   placement=placement)
     base = decode_scores(model, windows, batch_size=6, prefill=2, progress=False, placement=placement)
     assert result.placement == placement and result.baseline_distinct == pytest.approx(base.mean_rank_distinct)
-    sere_fx.transform(model, None, result.plan, max_tokens=None)
-    try:
-        s = decode_scores(model, windows, batch_size=6, prefill=2, progress=False, placement=placement)
-    finally:
-        sere_fx.restore(model)
+    s = _measured(model, None, windows, placement=placement, plan=result.plan)
     # measured independently: the busiest rank reads at most 0.7 of the baseline's busiest rank
     assert s.mean_rank_distinct <= 0.7 * base.mean_rank_distinct + 1e-9
     assert s.mean_rank_distinct == pytest.approx(result.distinct)
@@ -204,11 +202,7 @@ def test_probes_on_a_subset_of_windows(setup, monkeypatch):
     assert sizes[:2] == [12, 6] and sizes[2:2 + layers * len(cands)] == [6] * (layers * len(cands))
     assert all(s == 12 for s in sizes[2 + layers * len(cands):])
     base = real(model, windows, batch_size=6, prefill=2, progress=False)
-    sere_fx.transform(model, sim, plan=result.plan, max_tokens=None)
-    try:
-        s = real(model, windows, batch_size=6, prefill=2, progress=False)
-    finally:
-        sere_fx.restore(model)
+    s = _measured(model, sim, windows, scores=real, plan=result.plan)
     assert s.mean_distinct <= 0.8 * base.mean_distinct + 1e-9 and s.mean_distinct == pytest.approx(result.distinct)
     with pytest.raises(ValueError, match=r"^probe_sequences: expected an int in \[6, 12\] .* got 3$"):
         tune(model, sim, windows, max_experts=0.8, batch_size=6, prefill=2, candidates=cands, probe_sequences=3)
