@@ -258,13 +258,16 @@ def cmd_tune(args) -> int:
     if (failed := _output_dir_missing("tune", args.out)) is not None:
         return failed
     placement = _placement(args)
+    if args.probe_sequences is not None and not args.batch_size <= args.probe_sequences <= args.num_seqs:
+        raise CliError(f"--probe-sequences: expected an int in [--batch-size, --num-seqs] = [{args.batch_size}, "
+                       f"{args.num_seqs}], got {args.probe_sequences}")
     _check_data(args)
     sim = _load_sim(args.sim)
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     result = tune(model, sim, windows, max_loss=args.max_loss, max_experts=args.max_experts, metric=args.metric,
                   batch_size=args.batch_size, prefill=args.prefill, max_tokens=args.max_tokens, placement=placement,
-                  probe_sequences=args.probe_seqs)
+                  probe_sequences=args.probe_sequences)
     print(result.summary())
     save_plan(args.out, result.plan, tuned={"metric": result.metric, "max_loss": result.max_loss,
                                             "max_experts": result.max_experts, "loss": result.loss,
@@ -459,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "fraction of the baseline's busiest-rank count) and add per-rank weight budgets to the candidates")
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--prefill", type=int, default=4)
-    t.add_argument("--probe-seqs", type=_positive_int, default=None, metavar="N",
+    t.add_argument("--probe-sequences", type=_positive_int, default=None, metavar="N",
                    help="run the per-layer probes (most of tune's passes) on the first N sequences only; whole plans "
                         "are still checked on all (default: all)")
     t.add_argument("--steps", type=int, default=96)
