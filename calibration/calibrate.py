@@ -3,6 +3,10 @@
 A forward pre-hook on each layer's experts module sees exactly the hidden states the
 experts get; padding rows are dropped with the batch's attention mask, and the layer's
 accumulator is updated right there, so no activations are kept between batches.
+
+The same pass fits each layer's output-size predictor (``calibration.predictors``, read by
+the ``output`` policy): a pre-hook on the router reads the routing features at the routing
+site, and the experts' hook pairs them with the experts' output norms on the same tokens.
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ from tqdm.auto import tqdm
 
 from sere_fx.calibration.expert_outputs import ExpertOutputs
 from sere_fx.calibration.methods import DEFAULT_CKA_SAMPLE, METHODS, accumulator
+from sere_fx.calibration.predictors import PredictorFit, features_hook
 from sere_fx.discovery import find_moe_layers, model_identity
 from sere_fx.errors import ArgumentTypeError, ArgumentValueError
 from sere_fx.similarity import Similarity
+
+
+_FIT_CHUNK = 2048  # tokens per expert-output evaluation of the predictor fit ([E, chunk, H] at a time)
 
 
 def _as_batch(batch):
@@ -44,6 +52,7 @@ def calibrate(
     progress: bool = True,
     total: int | None = None,
     extra_metadata: dict | None = None,
+    predictors: bool = True,
 ) -> Similarity:
     """Similarity matrices ``{decoder_layer_index: [E, E]}`` of ``model`` on ``batches``.
 
@@ -63,7 +72,9 @@ def calibrate(
         layer.index: accumulator(method, ExpertOutputs(layer.experts, layer.num_experts), layer.num_experts, cka_sample)
         for layer in layers
     }
+    fits = {layer.index: PredictorFit(layer.num_experts) for layer in layers} if predictors else {}
     state = {"mask": None}
+    features: dict[int, torch.Tensor] = {}  # this batch's routing features, per layer, until its experts run
 
     def make_hook(index):
         def hook(module, args):
@@ -77,10 +88,21 @@ def calibrate(
                     )
                 x = x[mask]
             accs[index].update(x)
+            if fits:
+                f = features.pop(index)
+                f = f if mask is None else f[mask]
+                if f.shape[0] != x.shape[0]:
+                    raise RuntimeError(f"calibrate: layer {index}'s router scored {f.shape[0]} rows, its experts got "
+                                       f"{x.shape[0]}")
+                for start in range(0, x.shape[0], _FIT_CHUNK):
+                    fits[index].update(f[start:start + _FIT_CHUNK], accs[index].outputs(x[start:start + _FIT_CHUNK]))
 
         return hook
 
     handles = [layer.experts.register_forward_pre_hook(make_hook(layer.index)) for layer in layers]
+    if fits:
+        handles += [layer.router.register_forward_pre_hook(features_hook(layer, features, layer.index), with_kwargs=True)
+                    for layer in layers]
     device = next(model.parameters()).device
     tokens, start = 0, time.perf_counter()
     bar = tqdm(total=total, desc=f"calibrate ({method})", unit="batch", disable=not progress)
@@ -104,8 +126,9 @@ def calibrate(
     if tokens == 0:
         raise ArgumentValueError("batches", "batches: no calibration tokens (empty iterable or all padding)")
     matrices = {index: acc.finalize() for index, acc in accs.items()}
+    fitted = {index: fit.finalize() for index, fit in fits.items()}
     metadata = {"method": method, "tokens": tokens, **model_identity(model, layers)}
     if method == "cka":
         metadata["cka_sample"] = min(cka_sample, tokens)
     metadata.update(extra_metadata or {})
-    return Similarity(matrices, metadata)
+    return Similarity(matrices, metadata, fitted)

@@ -38,6 +38,7 @@ from sere_fx import ops  # noqa: E402,F401  (registers torch.ops.sere.reroute)
 from sere_fx.config import (
     LeastSimilarConfig,
     OEAConfig,
+    OutputConfig,
     Quantile,
     RandomConfig,
     RoutingConfig,
@@ -71,6 +72,7 @@ __all__ = [
     "SereConfig",
     "OEAConfig",
     "WeightConfig",
+    "OutputConfig",
     "TopKConfig",
     "LeastSimilarConfig",
     "RandomConfig",

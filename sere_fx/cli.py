@@ -221,9 +221,9 @@ def cmd_eval(args) -> int:
                               "every decode step must carry a full batch")
     _check_data(args)
     _load_model_dir_checks(args.model)
-    needing = next((s for s in specs if s.kwargs is not None and s.needs_sim()), None)
+    needing = next(((s, need) for s in specs if (need := s.calibration_need()) is not None), None)
     if needing is not None and args.sim is None:
-        return _error("eval", f"--sim: policy {needing.label!r} needs expert-similarity matrices, got None")
+        return _error("eval", f"--sim: policy {needing[0].label!r} {needing[1]}, got None")
     sim = _load_sim(args.sim)
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)

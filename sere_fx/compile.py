@@ -19,13 +19,13 @@ import torch
 from torch import fx
 from torch._dynamo.utils import counters
 
-from sere_fx.config import LayerInfo, needs_similarity, plan_for_layers, restrict, routing_spec
+from sere_fx.config import LayerInfo, calibration_need, needs_similarity, plan_for_layers, restrict, routing_spec
 from sere_fx.discovery import layer_index
 from sere_fx.errors import ArgumentValueError
 from sere_fx.model_transform import DEFAULT_MAX_TOKENS, check_max_tokens
 from sere_fx.passes.matcher import RoutingMatchError, find_routing_sites, node_shape, op_kind
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
-from sere_fx.similarity import as_similarity
+from sere_fx.similarity import as_similarity, layer_tensors
 
 
 def _layer_of(node: fx.Node) -> tuple[int, str] | None:
@@ -65,8 +65,8 @@ class SereBackend:
         self.spec = routing_spec(config, policy=policy, S=S, rho=rho, N=N, plan=plan)
         self.sim = as_similarity(sim) if sim is not None else None
         if self.sim is None and needs_similarity(self.spec):
-            raise ArgumentValueError("sim", "sim: an index policy (sere, least_similar) needs expert-similarity "
-                                            "matrices, got None")
+            policy, need = calibration_need(self.spec)
+            raise ArgumentValueError("sim", f"sim: policy {policy!r} {need}, got None")
         self.max_tokens, self.strict, self.inner = max_tokens, strict, inner
         self.sites_rewritten = 0
         self.layers_rewritten: set[int] = set()
@@ -138,16 +138,17 @@ class SereBackend:
         layers = [found[i][1] for i in sorted(found)]
         matrices = {i: self.sim[i] for i in found} if self.sim is not None else None
         plan = plan_for_layers(restrict(self.spec, found), layers, matrices)
+        tensors = layer_tensors(self.sim, layers, plan, matrices) if self.sim is not None else {}
         for index, (site, layer) in sorted(found.items()):
             lp = plan[index]
             if lp.policy == "random":
                 raise ArgumentValueError("policy", f"policy[{index}]: 'random' is an evaluation ablation; the compile "
                                                    "backend does not support it (use sere_fx.transform for it)")
             name = None
-            if lp.needs_similarity:
+            if lp.layer_tensor:  # a similarity matrix or an output-size predictor, baked in as a buffer
                 name = f"sere_similarity_{index}"
                 value = site.scores.meta.get("example_value", site.scores.meta.get("val"))
-                gm.register_buffer(name, matrices[index].to(torch.float32).to(value.device))
+                gm.register_buffer(name, tensors[index].to(torch.float32).to(value.device))
                 sources = getattr(gm, "_param_name_to_source", None)
                 if sources is not None:
                     from torch._dynamo.source import ConstantSource

@@ -82,7 +82,8 @@ class RoutingConfig:
     S: int = 2
 
     policy: ClassVar[str]
-    needs_similarity: ClassVar[bool] = False  # reads an expert-similarity matrix
+    needs_similarity: ClassVar[bool] = False  # reads an expert-similarity matrix (an index policy)
+    needs_predictor: ClassVar[bool] = False  # reads an output-size predictor (from the same calibration file)
     rho = None  # the field of the index policies (``weight``: its importance threshold)
     N = None  # ``weight`` only: its expert budget
 
@@ -91,6 +92,11 @@ class RoutingConfig:
             raise argument_error("S", f"S: expected an int, got {self.S!r} ({type(self.S).__name__})", TypeError)
         if self.S < 1:
             raise argument_error("S", f"S: expected an integer >= 1, got {self.S}")
+
+    @property
+    def layer_tensor(self) -> bool:
+        """Whether the policy reads a calibrated per-layer tensor (``sere_fx.similarity.layer_tensors``)."""
+        return self.needs_similarity or self.needs_predictor
 
     def for_layer(self, layer: MoELayerInfo, matrix: torch.Tensor | None = None) -> "RoutingConfig":
         """This config checked against ``layer`` (and with a ``Quantile`` resolved on ``matrix``)."""
@@ -179,17 +185,17 @@ class WeightConfig(RoutingConfig):
         super().__post_init__()
         m = self.min_importance
         if isinstance(m, Quantile):
-            raise argument_error("min_importance", "min_importance: policy 'weight' takes an importance threshold "
+            raise argument_error("min_importance", f"min_importance: policy {self.policy!r} takes an importance threshold "
                                                    f"(a float >= 0), not a similarity quantile; got {m!r}")
         if m is not None:
             m = finite_float("min_importance", m)
             if m < 0:
                 raise argument_error("min_importance", "min_importance: expected an importance threshold >= 0 for "
-                                                       f"policy 'weight', got {m}")
+                                                       f"policy {self.policy!r}, got {m}")
             object.__setattr__(self, "min_importance", m)
         if self.N is None and m is None and self.rank_budget is None:
-            raise argument_error("N", "N: policy 'weight' needs N (experts per call), min_importance (an importance "
-                                      "threshold) or both; got neither")
+            raise argument_error("N", f"N: policy {self.policy!r} needs N (experts per call), min_importance (an "
+                                      "importance threshold) or both; got neither")
         _check_budget("N", self.N, "experts per call", "the experts the call's tokens picked")
         _check_budget("rank_budget", self.rank_budget, "experts per rank per call",
                       "the experts the call's tokens picked on the rank")
@@ -221,6 +227,19 @@ class WeightConfig(RoutingConfig):
         return d
 
 
+@dataclass(frozen=True)
+class OutputConfig(WeightConfig):
+    """``output``: ``weight`` with each token's squared share of an expert scaled by the squared norm the
+    expert's output is predicted to have for it (``sere_fx.policies``); reads the output-size predictors
+    that ``sere-fx calibrate`` writes into the similarity file. Fields as ``WeightConfig``."""
+
+    policy: ClassVar[str] = "output"
+    needs_predictor: ClassVar[bool] = True
+
+
+BUDGET_POLICIES = ("weight", "output")  # take N, min_importance and a per-rank budget
+
+
 def _check_budget(name: str, value, unit: str, of: str) -> None:
     """An expert budget: a count (an int >= 1) or a fraction in (0, 1) of ``of``; None: none."""
     count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -231,7 +250,8 @@ def _check_budget(name: str, value, unit: str, of: str) -> None:
 
 
 CONFIGS: dict[str, type[RoutingConfig]] = {
-    c.policy: c for c in (SereConfig, LeastSimilarConfig, RandomConfig, TopKConfig, OEAConfig, WeightConfig)
+    c.policy: c for c in (SereConfig, LeastSimilarConfig, RandomConfig, TopKConfig, OEAConfig, WeightConfig,
+                          OutputConfig)
 }
 POLICIES = tuple(CONFIGS)
 INDEX_POLICIES = tuple(p for p, c in CONFIGS.items() if c.needs_similarity)  # take rho, read a similarity
@@ -251,15 +271,15 @@ def config(policy: str | None = None, S: int | None = None, rho=None, N=None, *,
         raise argument_error("policy", f"policy: expected one of {list(POLICIES)}, got {policy!r}")
     cls = CONFIGS[policy]
     kwargs = {} if S is None else {"S": S}
-    if cls is WeightConfig:
+    if issubclass(cls, WeightConfig):
         kwargs.update(N=N, min_importance=rho, rank_budget=rank_budget, placement=placement)
     else:
         if rank_budget is not None or placement is not None:
-            raise argument_error("rank_budget", f"rank_budget: only policy 'weight' takes a per-rank budget, "
-                                                f"got policy {policy!r}")
+            raise argument_error("rank_budget", f"rank_budget: only policies {list(BUDGET_POLICIES)} take a per-rank "
+                                                f"budget, got policy {policy!r}")
         if N is not None:
-            raise argument_error("N", f"N: only policy 'weight' takes an expert budget (leave it None for {policy!r}), "
-                                      f"got {N!r}")
+            raise argument_error("N", f"N: only policies {list(BUDGET_POLICIES)} take an expert budget (leave it None "
+                                      f"for {policy!r}), got {N!r}")
         if cls.needs_similarity:
             if rho is not None:
                 kwargs["rho"] = rho
@@ -402,9 +422,24 @@ def spec_policies(spec) -> set[str]:
     return {c.policy for c in spec.values()}
 
 
+def calibration_need(spec) -> tuple[str, str] | None:
+    """What ``spec`` needs from the calibration file (``sim``), for an error: ``(policy, "needs
+    expert-similarity matrices")``, or None when it needs nothing."""
+    for p in sorted(spec_policies(spec)):
+        cls = CONFIGS.get(p)
+        if cls is not None and cls.needs_similarity:
+            return p, "needs expert-similarity matrices"
+    for p in sorted(spec_policies(spec)):
+        cls = CONFIGS.get(p)
+        if cls is not None and cls.needs_predictor:
+            return p, "needs the output-size predictors of a similarity file (sere-fx calibrate writes them)"
+    return None
+
+
 def needs_similarity(spec) -> bool:
-    """Whether some layer's policy reads an expert-similarity matrix."""
-    return any(CONFIGS[p].needs_similarity for p in spec_policies(spec) if p in CONFIGS)
+    """Whether some layer's policy reads the calibration file (``sim``): an expert-similarity matrix
+    (the index policies) or an output-size predictor (``output``)."""
+    return any(CONFIGS[p].needs_similarity or CONFIGS[p].needs_predictor for p in spec_policies(spec) if p in CONFIGS)
 
 
 def restrict(spec, indices):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sere_fx.config import config, needs_similarity, plan_for_layers, routing_spec
+from sere_fx.config import calibration_need, config, needs_similarity, plan_for_layers, routing_spec
 from sere_fx.discovery import find_moe_blocks, find_moe_layers
 from sere_fx.errors import ArgumentError, ArgumentTypeError, ArgumentValueError, argument_error
 from sere_fx.model_transform import restore, transform
@@ -54,16 +54,21 @@ class PolicySpec:
         except ArgumentError as exc:
             raise argument_error("policy", f"policy: {self.label!r}: {exc.message}", exc._kind()) from None
 
-    def needs_sim(self) -> bool:
-        if self.kwargs is None or "rank_budget" in self.kwargs:  # a per-rank budget: weight, no similarity
-            return False
-        return needs_similarity(self.routing())
+    def calibration_need(self) -> str | None:
+        """What the spec needs from ``--sim`` ("needs ...", ``config.calibration_need``), or None."""
+        if self.kwargs is None:
+            return None
+        if "rank_budget" in self.kwargs:  # a per-rank budget: one config, placed later
+            need = calibration_need(config(**self.kwargs, placement=Placement(1)))
+        else:
+            need = calibration_need(self.routing())
+        return None if need is None else need[1]
 
 
 def parse_policy(text: str) -> PolicySpec:
     """``baseline``, ``sere:S=2,rho=0.5``, ``sere:S=2,rho=q0.3`` (quantile), ``topk:S=2``,
     ``oea:S=2``, ``weight:S=1,N=36``, ``weight:S=1,N=0.6``, ``weight:S=1,rho=0.05``, ``random:S=2,rho=0``,
-    ``least_similar:S=2,rho=0``, ``plan:PATH``; ``weight:S=1,N=0.6,Nrank=0.5`` adds a per-rank budget
+    ``least_similar:S=2,rho=0``, ``output:S=1,N=0.5``, ``plan:PATH``; ``weight:S=1,N=0.6,Nrank=0.5`` adds a per-rank budget
     (expert parallelism: the evaluation's placement)."""
     text = text.strip()
     if text == "baseline":
@@ -416,7 +421,7 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
     routings = {s.label: s.routing(placement) for s in specs}  # plan files read, values checked
     for s in specs:
         if needs_similarity(routings[s.label]) and sim is None:
-            raise ArgumentValueError("sim", f"sim: policy {s.label!r} needs expert-similarity matrices, got None")
+            raise ArgumentValueError("sim", f"sim: policy {s.label!r} {calibration_need(routings[s.label])[1]}, got None")
     # Everything the model decides (S against each layer's top-k, the similarity's layers and
     # shapes, quantiles) fails now, not after the baseline pass.
     layers = find_moe_layers(model)

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sere_fx.config import INDEX_POLICIES, RoutingConfig, needs_similarity, plan_for_layers, routing_spec, spec_policies
+from sere_fx.config import RoutingConfig, calibration_need, needs_similarity, plan_for_layers, routing_spec
 from sere_fx.discovery import check_identity, find_moe_layers
 from sere_fx.errors import argument_error
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
 from sere_fx.placement import Placement
 from sere_fx.passes.trace import graph_forward
-from sere_fx.similarity import as_similarity, resolve
+from sere_fx.similarity import as_similarity, layer_tensors, resolve
 from sere_fx.stats import LayerStats
 
 SIM_BUFFER = "sere_similarity"
@@ -149,15 +149,16 @@ def transform(
         matrices = resolve(sim, layers)
         check_identity(sim.metadata, model, layers)
     elif needs_similarity(spec):
-        needing = sorted(p for p in spec_policies(spec) if p in INDEX_POLICIES)
-        raise argument_error("sim", f"sim: policy {needing[0]!r} needs expert-similarity matrices, got None")
+        policy, need = calibration_need(spec)
+        raise argument_error("sim", f"sim: policy {policy!r} {need}, got None")
     layer_plans = plan_for_layers(spec, layers, matrices)
+    tensors = layer_tensors(sim, layers, layer_plans, matrices) if sim is not None else {}
     # Rewrite every router's graph first (the graphs are copies: the model is untouched), then install.
     prepared = []
     for layer in layers:
         lp = layer_plans[layer.index]
         attrs = SiteAttrs(
-            similarity=SIM_BUFFER if lp.needs_similarity else None,
+            similarity=SIM_BUFFER if lp.layer_tensor else None,
             stats=STATS_ATTR if stats else None,
             generator=GENERATOR_ATTR if lp.policy == "random" else None,
         )
@@ -168,7 +169,7 @@ def transform(
         prepared.append((layer, attrs))
     try:
         for layer, attrs in prepared:
-            _install(layer, attrs, matrices, stats if isinstance(stats, Placement) else None)
+            _install(layer, attrs, tensors, stats if isinstance(stats, Placement) else None)
         if experts_implementation is not None:
             model.set_experts_implementation(experts_implementation)
     except BaseException:
@@ -184,11 +185,11 @@ def transform(
     return model
 
 
-def _install(layer, attrs: SiteAttrs, matrices, placement: Placement | None) -> None:
+def _install(layer, attrs: SiteAttrs, tensors, placement: Placement | None) -> None:
     router = layer.router
     device = next((t.device for t in router.parameters()), torch.device("cpu"))
-    if attrs.similarity:
-        router.register_buffer(SIM_BUFFER, matrices[layer.index].to(device))
+    if attrs.similarity:  # the layer's calibrated tensor: a similarity matrix or an output-size predictor
+        router.register_buffer(SIM_BUFFER, tensors[layer.index].to(device))
     if attrs.stats:
         setattr(router, STATS_ATTR, LayerStats(placement=placement, num_experts=layer.num_experts))
     if attrs.generator:

@@ -32,6 +32,14 @@ Top-k policies replace the router's top-k itself and need the full score vector:
   parallelism a layer takes as long as its most loaded rank: a *per-rank budget* (a count, or
   a fraction of what the call picked on that rank) then caps each rank's share of L, filled
   in the same order (``sere_fx.placement`` says which rank holds each expert).
+- ``output`` (``weight`` with importance by output size): the same rule, with each token's
+  squared share of an expert multiplied by the squared norm that expert's output is predicted
+  to have for that token: dropping an expert moves the token's output by its share *times*
+  what the expert adds, and expert outputs differ in size by a factor of several. The
+  prediction is ``exp(features @ P)``, ``features`` the token's log routing probabilities
+  and a 1 (``output_features``), ``P`` (``[E + 1, E]``) a least-squares fit of the log squared
+  output norm made by calibration (``sere_fx.calibration``): the router's scores are all it
+  reads, so no expert weight is touched to decide what to load.
 
 Engines that keep some rows on the model's routing (a mixed step's prompt rows) read those
 rows' experts anyway. ``free`` (bool ``[E]``) names such experts: for ``sere`` and the
@@ -56,7 +64,7 @@ from sere_fx.errors import argument_error
 from sere_fx.ops import apply_table, primary_mask, remap_table
 
 TOPK_POLICIES = tuple(p for p in POLICIES if p not in INDEX_POLICIES)  # replace the router's top-k
-REFILL_POLICIES = ("oea", "weight")  # tokens refill from the loaded set; weights come from the model
+REFILL_POLICIES = ("oea", "weight", "output")  # tokens refill from the loaded set; weights come from the model
 
 _BYPASS = False
 
@@ -248,10 +256,37 @@ def _places(key: torch.Tensor, group: torch.Tensor | None = None) -> torch.Tenso
     return (ahead if group is None else ahead & group).sum(dim=1)
 
 
+# Log-probabilities below this are all "not routed here": the floor keeps a probability of 0
+# (a group-limited router's masked experts) from becoming -inf in the predictor's inputs.
+LOG_PROB_FLOOR = -30.0
+# exp() of the predicted log squared norm stays finite in float32 for inputs far from calibration.
+_LOG_SIZE_CLAMP = 80.0
+
+
+def output_features(scores: torch.Tensor, neutral: float, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """The output-size predictor's inputs for flat scores ``[T, E]``: each token's log routing
+    probabilities (``log probs`` when given, else ``log_softmax`` of logits (``neutral`` -inf) or the
+    log of probability scores), floored at ``LOG_PROB_FLOOR``, and a constant 1: ``[T, E + 1]``.
+    Calibration fits on exactly these, so the fit and its use cannot disagree."""
+    if probs is not None:
+        logp = probs.float().clamp_min(0.0).log()
+    elif neutral == float("-inf"):
+        logp = scores.float().log_softmax(dim=-1)
+    else:
+        logp = scores.float().clamp_min(0.0).log()
+    logp = logp.clamp_min(LOG_PROB_FLOOR)
+    return torch.cat([logp, logp.new_ones(logp.shape[0], 1)], dim=1)
+
+
+def predicted_output_size(features: torch.Tensor, predictor: torch.Tensor) -> torch.Tensor:
+    """``[T, E]``: the squared output norm each expert is predicted to have for each token."""
+    return (features @ predictor.to(features.dtype)).clamp(-_LOG_SIZE_CLAMP, _LOG_SIZE_CLAMP).exp()
+
+
 def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: float | None = None,
                   N: int | float | None = None, probs: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
                   free: torch.Tensor | None = None, rank_budget: int | float | None = None,
-                  owner: torch.Tensor | None = None, reduce=None):
+                  owner: torch.Tensor | None = None, reduce=None, predictor: torch.Tensor | None = None):
     """The ``weight`` policy on flat scores ``[T, E]`` (see module doc); returns (values, ids, own) as
     ``oea_select`` does. Give ``rho``, ``N`` or both. ``free``: experts read anyway, added to the
     loaded set after the budget (they cost nothing, so ``N`` does not count them).
@@ -260,6 +295,8 @@ def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: 
     call's tokens picked on the rank, rounded down, at least 1), filled in the same order.
     ``reduce``: agree on importance, picked, top-S and free experts across data-parallel ranks
     (one all-reduce of ``4 E`` floats), so every rank loads what one batch of all ranks' tokens would.
+    ``predictor`` (``[E + 1, E]``): the ``output`` policy: importance weighs each token's squared share
+    by the expert's predicted squared output norm (``predicted_output_size``).
 
     Shares come from ``probs`` (``[T, E]``, the router's probabilities) when given, else from the
     scores: a softmax of the top-k values where they are logits (``neutral`` -inf), the values
@@ -277,7 +314,10 @@ def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: 
     if valid_rows is not None:
         shares = shares.masked_fill(~valid_rows.unsqueeze(1), 0.0)
     shares = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device).scatter(1, own, shares)
-    importance = shares.square().sum(dim=0)  # [E]
+    cost = shares.square()  # [T, E]: what dropping each expert costs each token, up to its output's size
+    if predictor is not None:
+        cost = cost * predicted_output_size(output_features(scores, neutral, probs), predictor)
+    importance = cost.sum(dim=0)  # [E]
     picked = primary_mask(own, k, num_experts, valid_rows=valid_rows)  # what the model itself would read
     kept = primary_mask(own, S, num_experts, valid_rows=valid_rows)
     if reduce is not None:
@@ -339,16 +379,22 @@ def select_topk(
     owners: tuple[int, ...] | None = None,
     max_tokens: int | None = None,
     stats=None,
+    predictor: torch.Tensor | None = None,
 ):
     """A top-k policy in place of the site's ``torch.topk(scores, k, dim, largest, sorted)``.
 
-    ``rho``, ``N``, ``rank_budget`` and ``owners`` (each expert's EP rank): the ``weight`` policy's
-    importance threshold, expert budget and per-rank budget."""
+    ``rho``, ``N``, ``rank_budget`` and ``owners`` (each expert's EP rank): the ``weight`` / ``output``
+    policies' importance threshold, expert budget and per-rank budget; ``predictor``: ``output``'s
+    output-size predictor (``[E + 1, E]``)."""
     e = scores.shape[-1]
     if policy not in TOPK_POLICIES:
         raise argument_error("policy", f"policy: expected one of {list(TOPK_POLICIES)}, got {policy!r}")
+    if (predictor is not None) != (policy == "output"):
+        raise argument_error("predictor", f"predictor: policy 'output' needs one and only it takes one; got policy "
+                                          f"{policy!r} with predictor={'a tensor' if predictor is not None else None}")
 
-    def policy_fn(scores):
+    def policy_fn(scores, *predictor_):  # the predictor as an operand: torch.cond's branches take tensors so
+        predictor = predictor_[0] if predictor_ else None
         flat = scores.reshape(-1, e)
         if policy == "topk":
             values, ids = torch.topk(flat, S, dim=-1)
@@ -357,14 +403,16 @@ def select_topk(
             values, ids, before = oea_select(flat, k, S, neutral)
         else:
             owner = None if owners is None else torch.tensor(owners, dtype=torch.int64, device=flat.device)
-            values, ids, before = weight_select(flat, k, S, neutral, rho=rho, N=N, rank_budget=rank_budget, owner=owner)
+            values, ids, before = weight_select(flat, k, S, neutral, rho=rho, N=N, rank_budget=rank_budget, owner=owner,
+                                                predictor=predictor)
         if stats is not None:
             stats.record(before, ids, S)
         shape = scores.shape[:-1] + (ids.shape[-1],)
         return values.reshape(shape), ids.reshape(shape)
 
-    def model_fn(scores):
+    def model_fn(scores, *predictor_):
         return tuple(torch.topk(scores, k, dim=dim, largest=largest, sorted=sorted))
 
-    values, ids = _by_size(scores.numel() // e, max_tokens, stats, policy_fn, model_fn, (scores,))
+    operands = (scores,) if predictor is None else (scores, predictor)
+    values, ids = _by_size(scores.numel() // e, max_tokens, stats, policy_fn, model_fn, operands)
     return torch.return_types.topk((values, ids))

@@ -1,8 +1,11 @@
 """Expert-similarity matrices: the container ``transform`` consumes and calibration produces.
 
 A ``Similarity`` maps a decoder-layer index to a float ``[E, E]`` matrix (1 on the
-diagonal, larger = more alike) plus free-form metadata (method, model identity, ...).
-Files are safetensors: one tensor ``layer.<i>`` per MoE layer and the metadata as JSON.
+diagonal, larger = more alike) plus free-form metadata (method, model identity, ...), and,
+when calibration could see the router's scores, each layer's *output-size predictor*
+(``[E + 1, E]``, read by the ``output`` policy: ``sere_fx.policies``).
+Files are safetensors: one tensor ``layer.<i>`` per MoE layer, ``predictor.<i>`` for the
+predictors, and the metadata as JSON.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ _META_KEY = "sere_fx"
 class Similarity(Mapping):
     """``{decoder_layer_index: Tensor[E, E]}`` with metadata; ``save``/``load`` round-trip."""
 
-    def __init__(self, matrices: Mapping[int, torch.Tensor], metadata: Mapping | None = None):
+    def __init__(self, matrices: Mapping[int, torch.Tensor], metadata: Mapping | None = None,
+                 predictors: Mapping[int, torch.Tensor] | None = None):
         self._matrices = {int(k): v for k, v in sorted(matrices.items())}
         self.metadata = dict(metadata or {})
+        self.predictors = {int(k): v for k, v in sorted((predictors or {}).items())}
 
     def __getitem__(self, layer: int) -> torch.Tensor:
         return self._matrices[layer]
@@ -36,12 +41,14 @@ class Similarity(Mapping):
 
     def __repr__(self) -> str:
         shapes = {k: tuple(v.shape) for k, v in self._matrices.items()}
-        return f"Similarity(layers={shapes}, metadata={self.metadata})"
+        return f"Similarity(layers={shapes}, predictors={sorted(self.predictors)}, metadata={self.metadata})"
 
     def save(self, path: str | os.PathLike) -> None:
         from safetensors.torch import save_file
 
-        tensors = {f"layer.{k}": v.detach().to("cpu", torch.float32).contiguous() for k, v in self._matrices.items()}
+        tensors = {f"{prefix}.{k}": v.detach().to("cpu", torch.float32).contiguous()
+                   for prefix, group in (("layer", self._matrices), ("predictor", self.predictors))
+                   for k, v in group.items()}
         save_file(tensors, os.fspath(path), metadata={_META_KEY: json.dumps(self.metadata, sort_keys=True)})
 
     @classmethod
@@ -51,16 +58,17 @@ class Similarity(Mapping):
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ArgumentFileNotFoundError("sim", f"sim: no similarity file at {path!r}")
-        matrices, metadata = {}, {}
+        groups = {"layer": {}, "predictor": {}}
         with safe_open(path, framework="pt") as f:
             raw = (f.metadata() or {}).get(_META_KEY)
             metadata = json.loads(raw) if raw else {}
             for key in f.keys():
                 prefix, _, index = key.partition(".")
-                if prefix != "layer" or not index.isdigit():
-                    raise ArgumentValueError("sim", f"sim: {path!r} has tensor {key!r}; expected keys 'layer.<decoder layer index>'")
-                matrices[int(index)] = f.get_tensor(key)
-        return cls(matrices, metadata)
+                if prefix not in groups or not index.isdigit():
+                    raise ArgumentValueError("sim", f"sim: {path!r} has tensor {key!r}; expected keys 'layer.<decoder "
+                                                    "layer index>' and 'predictor.<decoder layer index>'")
+                groups[prefix][int(index)] = f.get_tensor(key)
+        return cls(groups["layer"], metadata, groups["predictor"])
 
 
 def as_similarity(sim) -> Similarity:
@@ -146,3 +154,39 @@ def check_finite(name: str, matrix: torch.Tensor) -> None:
         count, value, where = found
         raise ArgumentValueError(name.split("[")[0], f"{name}: expected finite values, got {value} at {where} "
                                                      f"({count} non-finite entries)")
+
+
+def resolve_predictors(sim, layers: Sequence, policy: str = "output") -> dict[int, torch.Tensor]:
+    """``{decoder_layer_index: float32 [E + 1, E]}``: the output-size predictors of ``layers`` in ``sim``
+    (a file ``sere-fx calibrate`` wrote); a layer without one, or one of another shape, raises."""
+    sim = as_similarity(sim)
+    out = {}
+    for layer in layers:
+        p = sim.predictors.get(layer.index)
+        e = layer.num_experts
+        if p is None:
+            raise ArgumentValueError("sim", f"sim: policy {policy!r} needs an output-size predictor for layer "
+                                            f"{layer.index}; this similarity file has "
+                                            f"{'none' if not sim.predictors else f'them for layers {sorted(sim.predictors)}'} "
+                                            "(sere-fx calibrate writes them)")
+        if tuple(p.shape) != (e + 1, e):
+            raise ArgumentValueError("sim", f"sim.predictors[{layer.index}]: expected shape [{e + 1}, {e}] (experts of "
+                                            f"{layer.name}, plus a constant), got {list(p.shape)}")
+        check_finite(f"sim.predictors[{layer.index}]", p)
+        out[layer.index] = p.detach().to(torch.float32).clone()
+    return out
+
+
+def layer_tensors(sim, layers: Sequence, plans: Mapping, matrices: Mapping[int, torch.Tensor] | None
+                  ) -> dict[int, torch.Tensor]:
+    """The calibrated tensor each layer's policy reads (``plans``: ``{layer: RoutingConfig}``): its
+    similarity matrix (index policies), its output-size predictor (``output``), or nothing. One
+    place for every front-end, so a policy reads the same tensor wherever it runs."""
+    out = {}
+    wanting = [layer for layer in layers if plans[layer.index].needs_predictor]
+    if wanting:
+        out.update(resolve_predictors(sim, wanting, plans[wanting[0].index].policy))
+    for layer in layers:
+        if plans[layer.index].needs_similarity:
+            out[layer.index] = matrices[layer.index]
+    return out

@@ -3,9 +3,9 @@
 Index policies (``sere``, ``least_similar``, ``random``): one node is inserted after the
 top-k and only the *dispatch* uses of the indices are redirected to it; uses that gather
 routing weights from the scores (DeepSeek-V3) keep the router's own indices, so router
-weights never change. Top-k policies (``topk``, ``oea``, ``weight``): the top-k node itself is replaced
+weights never change. Top-k policies (``topk``, ``oea``, ``weight``, ``output``): the top-k node itself is replaced
 by a call with the same inputs and outputs, so the model's own weight computation runs on
-the policy's selection. Per-layer data (similarity matrix, statistics, random generator)
+the policy's selection. Per-layer data (similarity matrix or ``output``'s predictor, statistics, random generator)
 is read through ``get_attr`` on the module that owns the graph.
 """
 
@@ -27,7 +27,7 @@ class SiteAttrs:
     owns the graph (read with ``get_attr``), or a node already in the graph (e.g. an extra
     graph input); None: absent."""
 
-    similarity: str | Node | None = None
+    similarity: str | Node | None = None  # the layer's calibrated tensor: similarity matrix or output-size predictor
     stats: str | Node | None = None
     generator: str | Node | None = None
 
@@ -96,7 +96,8 @@ def _replace_topk(graph, site, plan, max_tokens, attrs) -> Node:
             select_topk,
             (site.scores, site.k, _arg(topk, 2, "dim", -1), _arg(topk, 3, "largest", True), _arg(topk, 4, "sorted", True)),
             {"policy": plan.policy, "S": plan.S, "neutral": neutral, "rho": plan.rho, "N": plan.N,
-             **_rank_budget(plan, site.num_experts), "max_tokens": max_tokens, "stats": nodes.get("stats")},
+             **_rank_budget(plan, site.num_experts), "max_tokens": max_tokens, "stats": nodes.get("stats"),
+             **({"predictor": nodes["similarity"]} if plan.needs_predictor else {})},
         )
     topk.replace_all_uses_with(new)
     graph.erase_node(topk)
