@@ -246,13 +246,17 @@ def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows
     return values, ids, own
 
 
-def _places(key: torch.Tensor, group: torch.Tensor | None = None) -> torch.Tensor:
+def _places(key: torch.Tensor, group: torch.Tensor | None = None, first: torch.Tensor | None = None) -> torch.Tensor:
     """Each expert's place in the order of ``key`` (descending, ties to the lower index), counted
-    within its ``group`` (bool ``[E, E]``: experts compared with each other), else over all.
+    within its ``group`` (bool ``[E, E]``: experts compared with each other), else over all; experts
+    in ``first`` (bool ``[E]``) come before all others whatever their key (an exact lexicographic
+    order: lifting their keys by a constant would round away small differences in float32).
     E x E compares instead of a stable sort, which ONNX has no operator for."""
     index = torch.arange(key.shape[0], device=key.device)
     ahead = (key.unsqueeze(0) > key.unsqueeze(1)) | ((key.unsqueeze(0) == key.unsqueeze(1))
                                                      & (index.unsqueeze(0) < index.unsqueeze(1)))
+    if first is not None:  # [i, j]: is j ahead of i
+        ahead = (first.unsqueeze(0) & ~first.unsqueeze(1)) | ((first.unsqueeze(0) == first.unsqueeze(1)) & ahead)
     return (ahead if group is None else ahead & group).sum(dim=1)
 
 
@@ -330,18 +334,17 @@ def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: 
         loaded = loaded & ~free  # read anyway: outside the budget, added back below
     if isinstance(N, float):  # a fraction of what this call picked: a tensor, decided per call
         N = (picked.sum().double() * N + 1e-9).floor().clamp_min(1)  # float64: 0.6 * 5 is 3, not 2.99
-    # budgets fill in one order: top-S members first (lifted above every importance), then by
-    # importance, ties to the lower index
-    key = torch.where(kept, importance + importance.sum() + 1.0, importance)
+    # budgets fill in one order: top-S members first, then by importance, ties to the lower index
+    key = importance
     if N is not None and (isinstance(N, torch.Tensor) or N < num_experts):
-        loaded = loaded & (_places(key.masked_fill(~loaded, -1.0)) < N)
+        loaded = loaded & (_places(key.masked_fill(~loaded, -1.0), first=kept & loaded) < N)
     if rank_budget is not None:  # expert parallelism: at most this many experts read on any rank
         same_rank = owner.unsqueeze(0) == owner.unsqueeze(1)
         cap = rank_budget
         if isinstance(rank_budget, float):  # a fraction of what this call's tokens picked on the expert's rank
             demand = (same_rank & picked.unsqueeze(0)).sum(dim=1).double()
             cap = (demand * rank_budget + 1e-9).floor().clamp_min(1)
-        loaded = loaded & (_places(key.masked_fill(~loaded, -1.0), same_rank) < cap)
+        loaded = loaded & (_places(key.masked_fill(~loaded, -1.0), same_rank, first=kept & loaded) < cap)
     if free is not None:
         loaded = loaded | free
     values, ids = _refill(scores, k, loaded, neutral, valid_rows)

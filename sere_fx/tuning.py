@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sere_fx.config import Quantile, RoutingConfig, SereConfig, WeightConfig, config
+from sere_fx.config import OutputConfig, Quantile, RoutingConfig, SereConfig, WeightConfig, config
 from sere_fx.discovery import find_moe_layers
 from sere_fx.errors import ArgumentValueError
 from sere_fx.evaluate import DecodeScores, decode_scores
@@ -49,22 +49,31 @@ DEFAULT_QUANTILES = (0.5, 0.75)
 # ``max_experts``, so a uniform plan at the asked fraction is a candidate for the usual
 # targets, and a plan's saving carries over to other text and batch sizes.
 DEFAULT_BUDGETS = (0.4, 0.5, 0.6, 0.7, 0.8)
+# ``output``'s budgets, finer around half the experts: it is the policy for that target (bench/RESULTS.md)
+OUTPUT_BUDGETS = (0.4, 0.45, 0.5, 0.55, 0.6, 0.7, 0.8)
 
 
 def default_candidates(top_k: int, quantiles=DEFAULT_QUANTILES, budgets=DEFAULT_BUDGETS,
-                       placement: Placement | None = None) -> list:
+                       placement: Placement | None = None, predictors: bool = False) -> list:
     """(policy, S, rho[, N]) candidates for a layer with top-``top_k`` routing: OEA at S in
     {1, 2, 3, K/2}; SERE at S in {1, 2, 3} with rho 0 and the given similarity quantiles;
     ``weight`` at S=1 with the given budget fractions; with a ``placement``, also ``weight`` at
-    S=1 with those fractions as per-rank budgets (``WeightConfig``)."""
+    S=1 with those fractions as per-rank budgets (``WeightConfig``). With ``predictors`` (the
+    similarity file has output-size predictors), ``output`` at ``OUTPUT_BUDGETS`` takes ``weight``'s
+    place: the same budget rule with a better importance, ahead of ``weight`` at every budget
+    measured on held-out text, so probing both would double the budget probes for nothing."""
     sizes = sorted({s for s in (1, 2, 3, top_k // 2) if 1 <= s < top_k})
     out: list[tuple] = [("oea", s, None) for s in sizes]
     for s in sizes[:3]:
         out.append(("sere", s, 0.0))
         out.extend(("sere", s, Quantile(q)) for q in quantiles)
-    out.extend(("weight", 1, None, f) for f in budgets)
+    if predictors:
+        out.extend(("output", 1, None, f) for f in (OUTPUT_BUDGETS if budgets is DEFAULT_BUDGETS else budgets))
+    else:
+        out.extend(("weight", 1, None, f) for f in budgets)
     if placement is not None:
-        out.extend(WeightConfig(S=1, rank_budget=f, placement=placement) for f in budgets)
+        cls = OutputConfig if predictors else WeightConfig
+        out.extend(cls(S=1, rank_budget=f, placement=placement) for f in budgets)
     return out
 
 
@@ -245,7 +254,8 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     jobs = []
     for layer in layers:
         options[layer.index] = [Probe(layer.index, untouched[layer.index], 0.0, count(probe_base, layer.index))]
-        for candidate in candidates or default_candidates(layer.top_k, placement=placement):
+        for candidate in candidates or default_candidates(layer.top_k, placement=placement,
+                                                          predictors=bool(sim.predictors)):
             if isinstance(candidate, RoutingConfig):
                 jobs.append((layer.index, candidate.for_layer(layer, matrices[layer.index])))
                 continue
@@ -273,6 +283,14 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     # the untouched model is always within a quality budget, never within an expert budget < 1
     best = (untouched, 0.0, base) if better(0.0, base, None) else None
     tried = {}
+    if target is not None:
+        # A uniform plan whose probes already read more than the budget allows (summed over the
+        # layers, with a margin for layers interacting) cannot fit it: not worth a pass.
+        probed = {(p.layer, p.plan): p.distinct for ps in options.values() for p in ps}
+        fits = [plan for plan in uniform
+                if sum(probed[(i, lp)] for i, lp in plan.items()) <= 1.05 * target * len(layers)]
+        bar.total -= len(uniform) - len(fits)
+        uniform = fits
     for plan in uniform:
         s = tried[tuple(sorted(plan.items()))] = run(plan)
         loss = _loss(base, s, metric)

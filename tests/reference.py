@@ -136,15 +136,31 @@ def reroute_rows_loop(topk_ids, topk_values, valid_rows, similarity, S: int, rho
     return out
 
 
+def output_sizes_loop(row, logits: bool, predictor):
+    """The ``output`` policy's predicted squared output norm of every expert for one token (float64):
+    exp of (log routing probabilities floored at -30, then 1) times the predictor's columns."""
+    if logits:
+        top = max(row)
+        lse = top + math.log(sum(math.exp(v - top) for v in row))
+        logp = [v - lse for v in row]
+    else:
+        logp = [math.log(v) if v > 0 else -math.inf for v in row]
+    features = [max(v, -30.0) for v in logp] + [1.0]
+    p = predictor.double().tolist()
+    return [math.exp(min(max(sum(f * p[i][e] for i, f in enumerate(features)), -80.0), 80.0))
+            for e in range(len(row))]
+
+
 def weight_loop(scores, k: int, S: int, rho=None, N=None, logits: bool = False, valid=None, probs=None, free=(),
-                rank_budget=None, owner=None):
+                rank_budget=None, owner=None, predictor=None):
     """The ``weight`` policy per token (plain loops, float64): list of expert lists, rank order.
 
     ``logits``: shares are a softmax of each token's top-k scores, else the scores over their
     sum; ``probs``: shares from these instead (the scores only rank). Rows where ``valid`` is
     False keep their own top-k and take no part. ``free``: experts loaded anyway, outside the
     budget. ``rank_budget`` with ``owner`` (a list: each expert's rank): after N, at most that
-    many loaded experts per rank (a float: of the experts picked on the rank).
+    many loaded experts per rank (a float: of the experts picked on the rank). ``predictor``
+    (``[E + 1, E]``): the ``output`` policy: each squared share times ``output_sizes_loop``.
     """
     rows = scores.double().tolist()
     weights = rows if probs is None else probs.double().tolist()
@@ -156,8 +172,9 @@ def weight_loop(scores, k: int, S: int, rho=None, N=None, logits: bool = False, 
             continue
         top = rank[:k]
         mass = [math.exp(r[e] - r[top[0]]) if logits and probs is None else r[e] for e in top]
+        size = [1.0] * len(r) if predictor is None else output_sizes_loop(r, logits and probs is None, predictor)
         for e, m in zip(top, mass):
-            importance[e] = importance.get(e, 0.0) + (m / sum(mass)) ** 2
+            importance[e] = importance.get(e, 0.0) + (m / sum(mass)) ** 2 * size[e]
         picked.update(top)
         kept.update(rank[:S])
     loaded = set(picked) if rho is None else kept | {e for e in picked if importance[e] >= rho}

@@ -1,6 +1,7 @@
 """Every routing policy against an independent reference, through the same pass."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from reference import least_similar_loop, oea_loop, reroute_loop, weight_loop
 from router_reference import _selection_scores
 from sere_fx.discovery import find_moe_layers
 from sere_fx.policies import ablation_reroute, weight_select
-from tiny_models import random_similarity, tiny_model
+from tiny_models import calibration_file, random_similarity, tiny_model
 
 
 def _ids(model, batch=6, length=1, seed=3):
@@ -148,6 +149,88 @@ def test_weight_select_matches_loop(seed):
         # the router's probabilities given beside the scores rank and weigh exactly as probability scores do
         values, ids, _ = weight_select(logits, k, S, float("-inf"), rho=rho, N=N, probs=logits.softmax(-1))
         assert _filled(values, ids, float("-inf")) == weight_loop(logits, k, S, rho, N, logits=True)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_output_select_matches_loop(seed):
+    """``output``: weight's rule with each squared share scaled by the predicted output size."""
+    g = torch.Generator().manual_seed(seed)
+    t, e, k = 9, 16, 4
+    logits = torch.randn(t, e, generator=g) * 2
+    predictor = torch.randn(e + 1, e, generator=g)
+    valid = torch.rand(t, generator=g) > 0.3
+    differs = 0
+    for S, rho, N in [(1, None, 5), (2, None, 7), (1, 0.3, None), (1, None, 0.6), (2, 0.25, 0.5), (1, None, 16)]:
+        for as_logits in (False, True):
+            scores, neutral = (logits, float("-inf")) if as_logits else (logits.softmax(-1), 0.0)
+            values, ids, _ = weight_select(scores, k, S, neutral, rho=rho, N=N, predictor=predictor)
+            expected = weight_loop(scores, k, S, rho, N, logits=as_logits, predictor=predictor)
+            assert _filled(values, ids, neutral) == expected, (S, rho, N, as_logits)
+            differs += expected != weight_loop(scores, k, S, rho, N, logits=as_logits)
+            values, ids, _ = weight_select(scores, k, S, neutral, rho=rho, N=N, valid_rows=valid, predictor=predictor)
+            assert _filled(values, ids, neutral) == weight_loop(scores, k, S, rho, N, logits=as_logits, valid=valid,
+                                                                predictor=predictor)
+        # the engine's spelling: logits to rank, probabilities for the shares and the predictor's inputs
+        values, ids, _ = weight_select(logits, k, S, float("-inf"), rho=rho, N=N, probs=logits.softmax(-1),
+                                       predictor=predictor)
+        assert _filled(values, ids, float("-inf")) == weight_loop(logits, k, S, rho, N, logits=True,
+                                                                  predictor=predictor)
+    assert differs  # the predicted sizes change which experts load
+
+
+def test_output_features_floor_zero_probabilities():
+    """A probability of 0 (a masked expert) is the floor, not -inf: the prediction stays finite."""
+    from sere_fx.policies import LOG_PROB_FLOOR, output_features, predicted_output_size
+
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
+    f = output_features(probs, 0.0)
+    assert f.tolist()[0] == pytest.approx([math.log(0.5), math.log(0.5), LOG_PROB_FLOOR, LOG_PROB_FLOOR, 1.0])
+    assert torch.isfinite(predicted_output_size(f, torch.full((5, 4), 10.0))).all()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_output_matches_loop_reference(family):
+    """``output`` through the whole model, its predictors read from the calibration file."""
+    model = tiny_model(family)
+    layers = find_moe_layers(model)
+    k = layers[0].top_k
+    N = 3 if k == 2 else 8
+    sim = calibration_file(layers, seed=4)
+    reference = copy.deepcopy(model)
+    for layer in layers:
+        router = reference.get_submodule(layer.router_name)
+
+        def hook(module, args, output, index=layer.index):
+            scores = _selection_scores(module, args[0])
+            chosen = weight_loop(scores, k, 1, None, N, logits=family == "gpt_oss", predictor=sim.predictors[index])
+            weights, ids = _oea_weights(family, module, args[0], chosen, k)
+            return output[0], weights.to(output[1].dtype), ids
+
+        router.register_forward_hook(hook)
+    ids = _ids(model, batch=7)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        got = sere_fx.transform(model, sim, sere_fx.OutputConfig(S=1, N=N), max_tokens=None)(ids).logits
+        as_weight = sere_fx.transform(sere_fx.restore(copy.deepcopy(model)), None, sere_fx.WeightConfig(S=1, N=N),
+                                      max_tokens=None)(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, as_weight)  # the predictor mattered
+
+
+def test_output_needs_predictors():
+    model = tiny_model("qwen3_moe")
+    layers = find_moe_layers(model)
+    with pytest.raises(ValueError, match=r"sim: policy 'output' needs the output-size predictors of a similarity "
+                                         r"file \(sere-fx calibrate writes them\), got None"):
+        sere_fx.transform(model, None, sere_fx.OutputConfig(S=1, N=0.5))
+    with pytest.raises(ValueError, match=r"sim: policy 'output' needs an output-size predictor for layer "
+                                         r"\d+; this similarity file has none"):
+        sere_fx.transform(model, random_similarity(layers), policy="output", S=1, N=0.5)
+    assert not sere_fx.is_transformed(model)
+    bad = calibration_file(layers)
+    bad.predictors[layers[0].index] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"sim.predictors\[\d+\]: expected shape \[\d+, \d+\]"):
+        sere_fx.transform(model, bad, policy="output", S=1, N=0.5)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])

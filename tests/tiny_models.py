@@ -114,3 +114,18 @@ def random_similarity(model_layers, seed: int = 0, quantize: int | None = None):
         m.fill_diagonal_(1.0)
         out[layer.index] = m
     return out
+
+
+def random_predictors(model_layers, seed: int = 0, scale: float = 1.0):
+    """A random output-size predictor ``[E + 1, E]`` per MoE layer: sizes that differ between experts
+    by a factor of a few and depend on the token, so ``output`` and ``weight`` choose differently."""
+    g = torch.Generator().manual_seed(seed)
+    return {layer.index: torch.randn(layer.num_experts + 1, layer.num_experts, generator=g) * scale
+            for layer in model_layers}
+
+
+def calibration_file(model_layers, seed: int = 0):
+    """A ``Similarity`` with random matrices and random output-size predictors for these layers."""
+    from sere_fx import Similarity
+
+    return Similarity(random_similarity(model_layers, seed), {}, random_predictors(model_layers, seed))

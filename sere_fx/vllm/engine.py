@@ -388,7 +388,7 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
         raise SettingsError(f"{WHERE}: the served model ({architecture}) has no MoE layer to re-route")
     layers = engine_layers(runners)
     pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1
-    plans, matrices = resolve_layers(settings, layers, architecture, subset=pipeline)
+    plans, matrices = resolve_layers(settings, layers, architecture, subset=pipeline)  # each layer's calibrated tensor
     device = vllm_config.device_config.device
     matrices = to_device(matrices, device)
     scheduler = vllm_config.scheduler_config
@@ -412,6 +412,12 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
             raise SettingsError(
                 f'{WHERE}["policy"]: {plan.policy!r} recomputes routing weights, but layer {layer.index} '
                 f"({scores.router}) cannot be reproduced: {scores.unsupported}; use policy 'sere'"
+            )
+        if plan.needs_predictor and (scores.bias is not None or scores.groups is not None):
+            raise SettingsError(
+                f'{WHERE}["policy"]: {plan.policy!r} predicts output sizes from the router\'s probabilities as '
+                f"calibrated on a plain top-k router, but layer {layer.index} ({scores.router}) selects by "
+                f"{'a biased score' if scores.bias is not None else 'groups'}; use policy 'weight'"
             )
         if scores.bias is not None and scores.scoring_func is None:
             raise SettingsError(f"{WHERE}: layer {layer.index} ({scores.router}) ranks experts by a biased score "

@@ -9,9 +9,10 @@ whose ``_compute_routing`` calls the original and hands ``(weights, ids)`` to a
   ``torch.ops.sere.reroute`` / ``policies.ablation_reroute``; weights stay the router's.
   vLLM's top-k is unsorted, so slots are ranked by the router's *selection* score: the
   returned weight where it is monotone in it, the biased score for biased routers.
-- top-k policies (``oea``, ``topk``, ``weight``) choose slots with ``policies.oea_select`` /
+- top-k policies (``oea``, ``topk``, ``weight``, ``output``) choose slots with ``policies.oea_select`` /
   ``policies.keep_top_s`` / ``policies.weight_select`` over the router's selection scores
-  (``weight`` takes its shares from the router's probabilities); the weights then come from
+  (``weight`` and ``output`` take their shares, and ``output`` its predictor's inputs, from the
+  router's probabilities); the weights then come from
   the router's own probabilities for the chosen experts (0 for unfilled slots), normalised
   and scaled as that router does.
 
@@ -105,7 +106,8 @@ class LayerRouting:
 
     def __init__(self, layer: int, plan: RoutingConfig, scores: RouterScores, similarity: torch.Tensor | None,
                  num_experts: int, stats: bool, reduce=None):
-        """``reduce``: a sum all-reduce over the data-parallel group (``dp_loaded_set``): the ranks
+        """``similarity``: the layer's calibrated tensor (``sere_fx.similarity.layer_tensors``): its
+        similarity matrix, or ``output``'s predictor. ``reduce``: a sum all-reduce over the data-parallel group (``dp_loaded_set``): the ranks
         agree on one primary / loaded set per layer call (``sere_fx.policies``)."""
         self.layer = layer
         self.reduce = reduce
@@ -170,11 +172,12 @@ class LayerRouting:
         neutral = float("-inf")
         probs = self.scores.probabilities(router_logits)  # once: selection, shares and weights read it
         selection = self.scores.selection(router_logits, probs)
-        if plan.policy == "weight":
+        if plan.policy in ("weight", "output"):
             owner = None if self.owner is None else self.owner.to(selection.device)
             values, chosen, _ = weight_select(selection, ids.shape[1], plan.S, neutral, rho=plan.rho, N=plan.N,
                                               probs=probs, valid_rows=rows, free=free, rank_budget=plan.rank_budget,
-                                              owner=owner, reduce=self.reduce)
+                                              owner=owner, reduce=self.reduce,
+                                              predictor=self.similarity if plan.needs_predictor else None)
         elif plan.policy == "oea":
             values, chosen, _ = oea_select(selection, ids.shape[1], plan.S, neutral, rows, free, reduce=self.reduce)
         else:  # topk: each token's own top-S, nothing else

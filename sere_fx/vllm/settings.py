@@ -30,7 +30,7 @@ from sere_fx.config import (
 )
 from sere_fx.errors import ArgumentError
 from sere_fx.plan import load_plan
-from sere_fx.similarity import Similarity, resolve
+from sere_fx.similarity import Similarity, layer_tensors, resolve
 
 SETTINGS_KEY = "sere"
 WHERE = f'additional_config["{SETTINGS_KEY}"]'
@@ -196,7 +196,9 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
 
     ``subset``: the engine holds only some of the model's layers (a pipeline-parallel stage):
     per-layer settings and the similarity file may cover more layers, and each stage takes its own.
-    Returns ``({layer: RoutingConfig}, {layer: float32 [E, E]} or None)``.
+    Returns ``({layer: RoutingConfig}, {layer: tensor})``: each layer's calibrated tensor
+    (``sere_fx.similarity.layer_tensors``: a similarity matrix, or ``output``'s predictor), for the
+    layers whose policy reads one.
     """
     routing = settings.routing
     if subset:
@@ -217,7 +219,9 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
                 if not {layer.index for layer in layers} <= set(sim):
                     raise ValueError(f"expected matrices for this pipeline stage's MoE decoder layers "
                                      f"{[layer.index for layer in layers]}, got layers {sorted(sim)}")
-                sim = Similarity({layer.index: sim[layer.index] for layer in layers}, sim.metadata)
+                sim = Similarity({layer.index: sim[layer.index] for layer in layers}, sim.metadata,
+                                 {layer.index: sim.predictors[layer.index] for layer in layers
+                                  if layer.index in sim.predictors})
             matrices = resolve(sim, layers)
         except (ValueError, TypeError) as exc:
             raise SettingsError(f"{_key('sim')}: {exc}") from None
@@ -225,7 +229,12 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
         plans: dict[int, RoutingConfig] = plan_for_layers(routing, layers, matrices)
     except ArgumentError as exc:
         _raise_named(exc)
-    return plans, matrices
+    if settings.sim is None:
+        return plans, {}
+    try:
+        return plans, layer_tensors(sim, layers, plans, matrices)
+    except ArgumentError as exc:
+        raise SettingsError(f"{_key('sim')}: {exc.message.removeprefix('sim: ')}") from None
 
 
 def to_device(matrices, device) -> dict[int, torch.Tensor]:
