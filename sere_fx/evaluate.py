@@ -31,7 +31,7 @@ from sere_fx.model_transform import restore, transform
 from sere_fx.placement import Placement, rank_load
 from sere_fx.plan import Quantile, parse_budget
 from sere_fx.policies import POLICIES, bypass
-from sere_fx.similarity import as_similarity, resolve
+from sere_fx.similarity import as_similarity, layer_tensors, resolve
 
 
 @dataclass(frozen=True)
@@ -431,9 +431,11 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
         matrices = resolve(sim, layers)
     for s in specs:
         try:
-            plan_for_layers(routings[s.label], layers, matrices)
+            plans = plan_for_layers(routings[s.label], layers, matrices)
         except ArgumentError as exc:
             raise argument_error("policy", f"policy: {s.label!r}: {exc.message}", exc._kind()) from None
+        if sim is not None:
+            layer_tensors(sim, layers, plans, matrices)  # output's predictors are in the file
     n = int(windows.shape[0])
     if not isinstance(batch_size, int) or not 1 <= batch_size <= n:
         raise ArgumentValueError("batch_size", f"batch_size: expected an int in [1, {n}] (the number of sequences), got {batch_size!r}: "

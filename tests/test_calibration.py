@@ -134,6 +134,38 @@ def test_modulelist_experts():
     assert y.shape == (3, 2, 4) and y[:, 0, 0].tolist() == [1.0, 2.0, -1.0]
 
 
+def test_predictors_match_a_float64_ridge_fit(data, tmp_path):
+    """Each layer's output-size predictor against an independent fit: the router's log-probabilities
+    (floored at -30) and a 1, against log ||expert_e(x)||^2 from float64 expert outputs, ridge
+    ``1e-2 * tokens`` on every column but the constant; padding tokens left out."""
+    from sere_fx.calibration.predictors import DEFAULT_RIDGE
+
+    model, ids, mask = data
+    xs, layers = _capture_inputs(model, ids, mask)
+    batches = [{"input_ids": ids[i : i + 2], "attention_mask": mask[i : i + 2]} for i in range(0, 6, 2)]
+    sim = calibrate(model, batches, "frobenius", progress=False)
+    for layer in layers:
+        x = xs[layer.index].double()
+        logp = F.linear(x, layer.router.weight.double()).log_softmax(dim=-1).clamp_min(-30.0)
+        features = torch.cat([logp, torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
+        target = _qwen_expert_outputs_f64(layer.experts, x).square().sum(-1).T.log()
+        penalty = torch.eye(features.shape[1], dtype=torch.float64) * DEFAULT_RIDGE * x.shape[0]
+        penalty[-1, -1] = 0
+        expected = torch.linalg.solve(features.T @ features + penalty, features.T @ target)
+        got = sim.predictors[layer.index]
+        assert got.shape == (layer.num_experts + 1, layer.num_experts) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), expected, atol=2e-3, rtol=1e-3)
+        # the fit predicts: its sizes rank experts much as the real ones do on these tokens
+        fitted = (features @ got.double()).flatten()
+        assert torch.corrcoef(torch.stack([fitted, target.flatten()]))[0, 1] > 0.5
+    sim.save(tmp_path / "s.safetensors")
+    loaded = sere_fx.Similarity.load(tmp_path / "s.safetensors")
+    assert sorted(loaded.predictors) == sorted(sim.predictors)
+    for i in sim.predictors:
+        assert torch.equal(loaded.predictors[i], sim.predictors[i])
+    assert calibrate(model, [ids], "frobenius", progress=False, predictors=False).predictors == {}
+
+
 def test_metadata_and_shape_mismatch(data, tmp_path):
     model, ids, mask = data
     sim = calibrate(model, [ids], "frobenius", progress=False)

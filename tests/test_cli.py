@@ -179,7 +179,15 @@ def test_eval_checks_every_spec_and_option_before_any_decoding(tmp_path, capsys,
     model, text = testbed_model(), testbed_text()
     nowhere = tmp_path / "nowhere"  # a model that is never reached: these fail before it loads
     (tmp_path / "file").write_text("x")
+    bare = tmp_path / "bare.safetensors"  # similarity matrices, no output-size predictors
+    Similarity({i: torch.eye(64) for i in range(4)}).save(bare)
     cases = [
+        (["eval", "--model", model, "--data", text, "--policies", "output:S=1,N=0.5"],
+         "--sim: policy 'output:S=1,N=0.5' needs the output-size predictors of a similarity file (sere-fx calibrate "
+         "writes them), got None"),
+        (["eval", "--model", model, "--data", text, "--num-seqs", "4", "--batch-size", "4", "--sim", bare,
+          "--policies", "output:S=1,N=0.5"],
+         "--sim: policy 'output' needs an output-size predictor for layer 0; this similarity file has none"),
         (["eval", "--model", nowhere, "--data", text, "--policies", "plan:missing.json"],
          "--policies: policy: 'plan:missing.json': plan: no plan file at 'missing.json'"),
         (["eval", "--model", nowhere, "--data", text, "--policies", "weight:S=1"],

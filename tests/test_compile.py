@@ -11,7 +11,7 @@ import sere_fx
 from sere_fx.compile import SereBackend
 from sere_fx.discovery import find_moe_layers
 from sere_fx.evaluate import cache_kwarg
-from tiny_models import FAMILIES, random_similarity, tiny_model
+from tiny_models import FAMILIES, calibration_file, random_similarity, tiny_model
 
 
 def _pair(family, **kwargs):
@@ -109,6 +109,26 @@ def test_backend_with_a_policy_that_needs_no_similarity(family, settings):
         torch.testing.assert_close(compiled(ids, use_cache=False).logits, ref(ids, use_cache=False).logits,
                                    atol=1e-4, rtol=0)
     assert backend.sites_rewritten == len(find_moe_layers(model))
+
+
+def test_backend_with_the_output_policy():
+    """``output`` through the backend: its predictor baked in as a buffer, compiled == eager."""
+    torch._dynamo.reset()
+    model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    sim = calibration_file(find_moe_layers(model), seed=6)
+    config = sere_fx.OutputConfig(S=1, N=0.5)
+    ref = sere_fx.transform(copy.deepcopy(model), sim, config, max_tokens=None)
+    as_weight = sere_fx.transform(copy.deepcopy(model), None, sere_fx.WeightConfig(S=1, N=0.5), max_tokens=None)
+    backend = SereBackend(sim, config, max_tokens=None, inner=aot_eager)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    ids = torch.randint(3, 90, (6, 1), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = compiled(ids, use_cache=False).logits
+        torch.testing.assert_close(got, ref(ids, use_cache=False).logits, atol=1e-4, rtol=0)
+        assert not torch.allclose(got, as_weight(ids, use_cache=False).logits, atol=1e-4)
+    assert backend.sites_rewritten == len(find_moe_layers(model))
+    with pytest.raises(ValueError, match=r"sim: policy 'output' needs the output-size predictors"):
+        SereBackend(None, config)
 
 
 def test_backend_refuses_settings_beside_a_plan():

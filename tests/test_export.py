@@ -11,7 +11,7 @@ import torch
 import sere_fx
 from sere_fx import exporters
 from sere_fx.discovery import find_moe_layers
-from tiny_models import random_similarity, tiny_model
+from tiny_models import calibration_file, random_similarity, tiny_model
 
 FAMILIES = ["qwen3_moe", "deepseek_v2"]  # qwen2_moe: the ONNX tests
 
@@ -126,7 +126,7 @@ def _settings_model(case):
     """A transformed tiny Qwen3-MoE with each kind of setting an artifact must carry."""
     model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
     layers = find_moe_layers(model)
-    sim = random_similarity(layers, seed=9)
+    sim = calibration_file(layers, seed=9)
     kwargs = {
         "rho 0.5": dict(S=1, rho=0.5),
         "quantile": dict(S=1, rho=sere_fx.Quantile(0.5)),
@@ -135,11 +135,12 @@ def _settings_model(case):
         "oea": dict(policy="oea", S=2),
         "topk": dict(policy="topk", S=2),
         "weight": dict(policy="weight", S=1, rho=0.5, N=0.5),  # a fraction: decided per call, in the graph
+        "output": dict(policy="output", S=1, N=0.5),  # its predictor: a buffer of the graph
     }[case]
     return sere_fx.transform(model, sim, max_tokens=None, **kwargs)
 
 
-@pytest.mark.parametrize("case", ["rho 0.5", "quantile", "mixed plan", "oea", "topk", "weight"])
+@pytest.mark.parametrize("case", ["rho 0.5", "quantile", "mixed plan", "oea", "topk", "weight", "output"])
 def test_onnx_carries_every_kind_of_setting(case, tmp_path):
     import onnxruntime as ort
 
@@ -151,6 +152,18 @@ def test_onnx_carries_every_kind_of_setting(case, tmp_path):
         expected = model(ids, use_cache=False).logits
     got = torch.as_tensor(sess.run(None, {sess.get_inputs()[0].name: ids.numpy()})[0])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_pt2_carries_the_output_policy(tmp_path):
+    model = _settings_model("output")
+    ids = _batches()[1]
+    path = exporters.export(model, ids, tmp_path / "m.pt2", format="pt2")
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        as_weight = sere_fx.transform(sere_fx.restore(copy.deepcopy(model)), None, policy="weight", S=1, N=0.5,
+                                      max_tokens=None)(ids, use_cache=False).logits
+        torch.testing.assert_close(torch.export.load(path).module()(ids), expected, atol=1e-4, rtol=0)
+    assert not torch.allclose(expected, as_weight, atol=1e-4)  # the artifact carries the predictor
 
 
 def test_decomposed_op_with_a_critical_threshold(tmp_path):

@@ -317,7 +317,7 @@ def test_per_layer_settings_and_plans(tmp_path):
 @pytest.mark.parametrize(
     "kwargs,exc,message",
     [
-        (dict(policy="fast"), ValueError, r"policy: expected one of \['sere', 'least_similar', 'random', 'topk', 'oea', 'weight'\], got 'fast'"),
+        (dict(policy="fast"), ValueError, r"policy: expected one of \['sere', 'least_similar', 'random', 'topk', 'oea', 'weight', 'output'\], got 'fast'"),
         (dict(policy={0: "sere", 1: "nope"}), ValueError, r"policy\[1\]: expected one of"),
         (dict(policy="oea", rho=0.5), ValueError, r"rho: policy 'oea' does not use rho \(leave it None\), got 0.5"),
         (dict(S={0: 1}), ValueError, r"S: expected values for the MoE decoder layers \[0, 1\], got layers \[0\]"),
@@ -334,7 +334,7 @@ def test_per_layer_settings_and_plans(tmp_path):
         (dict(policy="weight", N=1.0), ValueError, r"N: expected a positive int .* or None, got 1.0"),
         (dict(policy="weight", rho=-0.1), ValueError, r"rho: expected an importance threshold >= 0 for policy 'weight', got -0.1"),
         (dict(policy="weight", rho=sere_fx.Quantile(0.5)), ValueError, r"rho: policy 'weight' takes an importance threshold"),
-        (dict(policy="oea", N=8), ValueError, r"N: only policy 'weight' takes an expert budget \(leave it None for 'oea'\), got 8"),
+        (dict(policy="oea", N=8), ValueError, r"N: only policies \['weight', 'output'\] take an expert budget \(leave it None for 'oea'\), got 8"),
     ],
 )
 def test_bad_policy_settings(kwargs, exc, message):

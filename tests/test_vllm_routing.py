@@ -23,7 +23,7 @@ from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter  # 
 from reference import engine_reroute_loop, least_similar_loop, oea_loop, rank_order, weight_loop  # noqa: E402
 from sere_fx.plan import LayerPlan  # noqa: E402
 from sere_fx.vllm import engine  # noqa: E402
-from sere_fx.vllm.routing import LayerRouting, RouterScores, install  # noqa: E402
+from sere_fx.vllm.routing import LayerRouting, RouterScores, install, predictor_refusal  # noqa: E402
 
 E, K, T, H = 16, 4, 12, 8
 
@@ -174,12 +174,17 @@ def similarity(seed=3):
     return ((m + m.T) / 2).fill_diagonal_(1.0)
 
 
+def predictor(seed=5):
+    return torch.randn(E + 1, E, generator=torch.Generator().manual_seed(seed))
+
+
 def routed(kind, plan, stats=False, layer=0):
     """(router's own output, the plugin's output) for the same logits."""
     x = logits(2)
     own = make_router(kind)._compute_routing(torch.zeros(T, H), x, None)
     router = make_router(kind)
-    routing = LayerRouting(layer, plan, RouterScores.of(router), similarity(), E, stats)
+    tensor = predictor() if plan.needs_predictor else similarity()  # the layer's calibrated tensor
+    routing = LayerRouting(layer, plan, RouterScores.of(router), tensor, E, stats)
     install(router, routing)
     return x, own, router.select_experts(torch.zeros(T, H), x)
 
@@ -253,6 +258,37 @@ def test_topk_policies_on_decode_rows(engine_state, kind, policy):
         assert torch.allclose(torch.tensor([got[e] for e in picks[i]]), want * scores.scale, atol=1e-6)
     others = ~DECODE_ROWS
     assert torch.equal(ids1[others], ids0[others]) and torch.equal(w1[others], w0[others])
+
+
+@pytest.mark.parametrize("kind", ["softmax", "softmax_no_renorm"])
+def test_output_policy_on_every_row(engine_state, kind):
+    """``output`` in the engine: weight's rule with the predictor, on the router's probabilities (every
+    row re-routed, so the budget has experts to choose from)."""
+    engine_state.decode_only = False
+    plan(engine_state, *MIXED)
+    S, N = 1, 6
+    x, (w0, ids0), (w1, ids1) = routed(kind, LayerPlan("output", S, None, N))
+    scores = RouterScores.of(make_router(kind))
+    sel, probs = scores.selection(x), scores.probabilities(x)
+    picks = weight_loop(sel, K, S, None, N, probs=probs, predictor=predictor())
+    assert picks != weight_loop(sel, K, S, None, N, probs=probs)  # the predictor matters
+    assert len({e for p in picks for e in p}) <= N
+    for t in range(T):
+        assert set(ids1[t].tolist()) == set(picks[t])
+        want = probs[t, picks[t]]
+        want = want / want.sum() if scores.renormalize else want
+        got = {}
+        for e, w in zip(ids1[t].tolist(), w1[t].tolist()):
+            got[e] = got.get(e, 0.0) + w
+        assert torch.allclose(torch.tensor([got[e] for e in picks[t]]), want * scores.scale, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["grouped", "grouped_sigmoid_bias"])
+def test_output_policy_refuses_routers_its_predictor_was_not_fitted_on(kind):
+    why = predictor_refusal(LayerPlan("output", 1, None, 6), RouterScores.of(make_router(kind)))
+    assert why is not None and "use policy 'weight'" in why and "CPURouter selects by" in why
+    assert predictor_refusal(LayerPlan("weight", 1, None, 6), RouterScores.of(make_router(kind))) is None
+    assert predictor_refusal(LayerPlan("output", 1, None, 6), RouterScores.of(make_router("softmax"))) is None
 
 
 def test_decode_only_false_reroutes_every_real_row(engine_state):

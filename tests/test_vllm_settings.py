@@ -168,7 +168,7 @@ def test_attach_refuses_models_without_moe_layers_and_engines_it_cannot_follow(s
     [  # caught before any worker starts (they used to end 20-50 s later in the workers)
         ({"rho": "0.5"}, f'{KEY}\\["rho"\\]: expected a finite float, got \'0.5\' \\(str\\)'),
         ({"S": 0}, f'{KEY}\\["S"\\]: expected an integer >= 1, got 0'),
-        ({"policy": "sere", "N": 4}, f'{KEY}\\["N"\\]: only policy \'weight\' takes an expert budget'),
+        ({"policy": "sere", "N": 4}, f'{KEY}\\["N"\\]: only policies \\[\'weight\', \'output\'\\] take an expert budget'),
         ({"policy": {"0": "weight"}, "S": {"0": 1}}, f'{KEY}\\["N"\\]: policy \'weight\' needs N'),
         ({"spec_decode": "skip"}, f'{KEY}\\["spec_decode"\\]: expected one of \\[\'reroute\', \'keep\'\\], got \'skip\''),
         ({"policy": "sere"}, f'{KEY}\\["sim"\\]: policy \'sere\' needs a similarity file'),

@@ -35,7 +35,7 @@ from sere_fx.ops import free_experts, primary_mask, reroute_kernel
 from sere_fx.placement import Placement
 from sere_fx.policies import TOPK_POLICIES
 from sere_fx.vllm import _logger
-from sere_fx.vllm.routing import LayerRouting, RouterScores, install
+from sere_fx.vllm.routing import LayerRouting, RouterScores, install, predictor_refusal
 from sere_fx.vllm.settings import WHERE, EngineLayer, SettingsError, parse, resolve_layers, to_device
 
 # The per-request switch: SamplingParams(extra_args={"sere": False}) keeps a request's rows on
@@ -413,12 +413,8 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
                 f'{WHERE}["policy"]: {plan.policy!r} recomputes routing weights, but layer {layer.index} '
                 f"({scores.router}) cannot be reproduced: {scores.unsupported}; use policy 'sere'"
             )
-        if plan.needs_predictor and (scores.bias is not None or scores.groups is not None):
-            raise SettingsError(
-                f'{WHERE}["policy"]: {plan.policy!r} predicts output sizes from the router\'s probabilities as '
-                f"calibrated on a plain top-k router, but layer {layer.index} ({scores.router}) selects by "
-                f"{'a biased score' if scores.bias is not None else 'groups'}; use policy 'weight'"
-            )
+        if (why := predictor_refusal(plan, scores)) is not None:
+            raise SettingsError(f'{WHERE}["policy"]: layer {layer.index}: {why}')
         if scores.bias is not None and scores.scoring_func is None:
             raise SettingsError(f"{WHERE}: layer {layer.index} ({scores.router}) ranks experts by a biased score "
                                 f"sere-fx cannot recompute ({scores.unsupported})")

@@ -101,6 +101,17 @@ class RouterScores:
         return w * self.scale if self.scale != 1.0 else w
 
 
+def predictor_refusal(plan: RoutingConfig, scores: RouterScores) -> str | None:
+    """Why ``plan`` (``output``) cannot run on this router, or None. Its predictor was fitted on the
+    log-probabilities a plain top-k router ranks by (calibration reads them at the routing site of
+    the transformers model); a biased or group-limited router ranks by something else."""
+    if not plan.needs_predictor or (scores.bias is None and scores.groups is None):
+        return None
+    return (f"{plan.policy!r} predicts output sizes from the probabilities of a plain top-k router, but "
+            f"{scores.router} selects by {'a biased score' if scores.bias is not None else 'expert groups'}; "
+            "use policy 'weight'")
+
+
 class LayerRouting:
     """The policy of one MoE layer, applied to its router's output (see module doc)."""
 

@@ -196,9 +196,9 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
 
     ``subset``: the engine holds only some of the model's layers (a pipeline-parallel stage):
     per-layer settings and the similarity file may cover more layers, and each stage takes its own.
-    Returns ``({layer: RoutingConfig}, {layer: tensor})``: each layer's calibrated tensor
+    Returns ``({layer: RoutingConfig}, {layer: tensor} or None)``: each layer's calibrated tensor
     (``sere_fx.similarity.layer_tensors``: a similarity matrix, or ``output``'s predictor), for the
-    layers whose policy reads one.
+    layers whose policy reads one; None without a similarity file.
     """
     routing = settings.routing
     if subset:
@@ -230,7 +230,7 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
     except ArgumentError as exc:
         _raise_named(exc)
     if settings.sim is None:
-        return plans, {}
+        return plans, None
     try:
         return plans, layer_tensors(sim, layers, plans, matrices)
     except ArgumentError as exc:
