@@ -433,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=int, default=96, help="scored decode steps per sequence (default 96)")
     e.add_argument("--policies", nargs="+", default=None, metavar="SPEC",
                    help="baseline, sere:S=2,rho=0.5, sere:S=2,rho=q0.3, topk:S=2, oea:S=2, weight:S=1,N=0.6, weight:S=1,N=0.6,Nrank=0.5 (with --ep-ranks), "
-                        "weight:S=1,rho=0.05, random:S=2,rho=0, least_similar:S=2,rho=0, plan:PATH "
+                        "output:S=1,N=0.5 (needs --sim with output-size predictors), weight:S=1,rho=0.05, random:S=2,rho=0, least_similar:S=2,rho=0, plan:PATH "
                         "(default: the standard comparison set)")
     e.add_argument("--max-tokens", type=_max_tokens, default=None,
                    help="passed to transform (default None: every decode step is re-routed)")
@@ -475,12 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--model", required=True, help="a local transformers model directory")
     x.add_argument("--sim", help="similarity file; without it (and without --plan / a topk, oea or weight --policy) "
                                  "the model is exported untransformed")
-    x.add_argument("--policy", default=None, help="sere (default), least_similar, random, topk, oea or weight")
+    x.add_argument("--policy", default=None, help="sere (default), least_similar, random, topk, oea, weight or output")
     x.add_argument("--S", type=int, default=None, help="primary experts per token (default 2)")
     x.add_argument("--rho", type=float, default=None,
-                   help="sere: similarity threshold (default 0.5); weight: importance threshold (default none)")
+                   help="sere: similarity threshold (default 0.5); weight / output: importance threshold (default none)")
     x.add_argument("--N", type=_budget, default=None,
-                   help="weight: at most N distinct experts per layer per call; a fraction in (0, 1): of the experts "
+                   help="weight / output: at most N distinct experts per layer per call; a fraction in (0, 1): of the experts "
                         "the call's tokens picked")
     x.add_argument("--plan", help="a plan from `sere-fx tune` (replaces --policy/--S/--rho/--N)")
     x.add_argument("--format", choices=["pt2", "aoti", "onnx", "tensorrt"], required=True)

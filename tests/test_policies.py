@@ -188,35 +188,6 @@ def test_output_features_floor_zero_probabilities():
     assert torch.isfinite(predicted_output_size(f, torch.full((5, 4), 10.0))).all()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_output_matches_loop_reference(family):
-    """``output`` through the whole model, its predictors read from the calibration file."""
-    model = tiny_model(family)
-    layers = find_moe_layers(model)
-    k = layers[0].top_k
-    N = 3 if k == 2 else 8
-    sim = calibration_file(layers, seed=4)
-    reference = copy.deepcopy(model)
-    for layer in layers:
-        router = reference.get_submodule(layer.router_name)
-
-        def hook(module, args, output, index=layer.index):
-            scores = _selection_scores(module, args[0])
-            chosen = weight_loop(scores, k, 1, None, N, logits=family == "gpt_oss", predictor=sim.predictors[index])
-            weights, ids = _oea_weights(family, module, args[0], chosen, k)
-            return output[0], weights.to(output[1].dtype), ids
-
-        router.register_forward_hook(hook)
-    ids = _ids(model, batch=7)
-    with torch.no_grad():
-        expected = reference(ids).logits
-        got = sere_fx.transform(model, sim, sere_fx.OutputConfig(S=1, N=N), max_tokens=None)(ids).logits
-        as_weight = sere_fx.transform(sere_fx.restore(copy.deepcopy(model)), None, sere_fx.WeightConfig(S=1, N=N),
-                                      max_tokens=None)(ids).logits
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(got, as_weight)  # the predictor mattered
-
-
 def test_output_needs_predictors():
     model = tiny_model("qwen3_moe")
     layers = find_moe_layers(model)
@@ -233,21 +204,26 @@ def test_output_needs_predictors():
         sere_fx.transform(model, bad, policy="output", S=1, N=0.5)
 
 
+@pytest.mark.parametrize("policy", ["weight", "output"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_weight_matches_loop_reference(family):
-    """Through the whole model: the loop's sets, weighted by the family's own formula."""
+def test_budget_policies_match_loop_reference(family, policy):
+    """Through the whole model: the loop's sets, weighted by the family's own formula; ``output``
+    with its predictors read from the calibration file."""
     model = tiny_model(family)
     layers = find_moe_layers(model)
     k = layers[0].top_k
-    N = 3 if k == 2 else 6
+    N = 3 if k == 2 else (6 if policy == "weight" else 8)
+    rho = 0.5 if policy == "weight" else None
+    sim = calibration_file(layers, seed=4) if policy == "output" else None
     reference = copy.deepcopy(model)
     sizes = []
     for layer in layers:
         router = reference.get_submodule(layer.router_name)
 
-        def hook(module, args, output):
+        def hook(module, args, output, index=layer.index):
             scores = _selection_scores(module, args[0])
-            chosen = weight_loop(scores, k, 1, 0.5, N, logits=family == "gpt_oss")  # gpt-oss selects on logits
+            chosen = weight_loop(scores, k, 1, rho, N, logits=family == "gpt_oss",  # gpt-oss selects on logits
+                                 predictor=None if sim is None else sim.predictors[index])
             sizes.append(len({e for c in chosen for e in c}))
             weights, ids = _oea_weights(family, module, args[0], chosen, k)
             return output[0], weights.to(output[1].dtype), ids
@@ -256,11 +232,15 @@ def test_weight_matches_loop_reference(family):
     ids = _ids(model, batch=7)
     with torch.no_grad():
         expected = reference(ids).logits
-        got = sere_fx.transform(model, None, S=1, rho=0.5, N=N, policy="weight", max_tokens=None)(ids).logits
+        got = sere_fx.transform(model, sim, S=1, rho=rho, N=N, policy=policy, max_tokens=None)(ids).logits
         original = sere_fx.restore(copy.deepcopy(model))(ids).logits
+        as_weight = sere_fx.transform(sere_fx.restore(copy.deepcopy(model)), None, S=1, N=N, policy="weight",
+                                      max_tokens=None)(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, original)
     assert max(sizes) <= N
+    if policy == "output":
+        assert not torch.allclose(got, as_weight)  # the predicted sizes mattered
 
 
 def test_oea_refuses_routers_that_gather_weights_by_index():

@@ -210,6 +210,30 @@ def test_pipeline_stages_take_their_own_layers(sim_file):
         resolve_layers(parse({"sim": sim_file}), other, "MixtralForCausalLM", subset=True)
 
 
+def test_output_reads_the_predictors_of_the_file(sim_file, tmp_path):
+    """``output``: each layer gets its predictor (not its similarity matrix), pipeline stages theirs;
+    a file without predictors fails naming the key and the layer."""
+    g = torch.Generator().manual_seed(1)
+    predictors = {i: torch.randn(9, 8, generator=g) for i in (0, 1)}
+    full = tmp_path / "full.safetensors"
+    Similarity(Similarity.load(sim_file), {"architecture": "MixtralForCausalLM"}, predictors).save(full)
+    plans, tensors = resolve({"sim": str(full), "policy": "output", "S": 1, "N": 0.5})
+    assert all(p.policy == "output" for p in plans.values())
+    assert all(torch.equal(tensors[i], predictors[i]) for i in (0, 1))
+    stage = [EngineLayer(1, "model.layers.1.mlp.experts", 8, 4)]
+    _, tensors = resolve_layers(parse({"sim": str(full), "policy": "output", "S": 1, "N": 0.5}), stage,
+                                "MixtralForCausalLM", subset=True)
+    assert sorted(tensors) == [1] and torch.equal(tensors[1], predictors[1])
+    mixed = tmp_path / "plan.json"
+    mixed.write_text(json.dumps({"layers": {"0": {"policy": "output", "S": 1, "rho": None, "N": 0.5},
+                                            "1": {"policy": "sere", "S": 1, "rho": 0.2}}}))
+    _, tensors = resolve({"sim": str(full), "plan": str(mixed)})
+    assert torch.equal(tensors[0], predictors[0]) and torch.equal(tensors[1], Similarity.load(sim_file)[1])
+    with pytest.raises(SettingsError, match=f'{KEY}\\["sim"\\]: policy \'output\' needs an output-size predictor '
+                                            "for layer 0; this similarity file has none"):
+        resolve({"sim": sim_file, "policy": "output", "S": 1, "N": 0.5})
+
+
 class UnquantizedFusedMoEMethod:  # named as vLLM's, for the refusal's advice
     pass
 
