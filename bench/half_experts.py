@@ -132,10 +132,13 @@ def true_size(minus_output: bool):
 
 
 def drop_costs(model, windows):
-    """Per layer, per expert: mean ||o_t - y_e(x_t)||^2 over the tokens routed to e."""
+    """Per layer: each expert's mean ``||o_t - y_e(x_t)||^2`` over the tokens routed to it (what dropping
+    it moves, before the share), and per expert the best other expert's mean ``||y_e - y_f||^2`` on
+    the same tokens over that (below 1: some expert could stand in for it)."""
     blocks = find_moe_blocks(model)
     sums = {b.index: torch.zeros(b.num_experts, dtype=torch.float64) for b in blocks}
     counts = {b.index: torch.zeros(b.num_experts, dtype=torch.float64) for b in blocks}
+    swaps = {b.index: torch.zeros(b.num_experts, b.num_experts, dtype=torch.float64) for b in blocks}
 
     def hook_for(block):
         outputs = ExpertOutputs(block.experts, block.num_experts)
@@ -143,10 +146,15 @@ def drop_costs(model, windows):
         def hook(module, args):
             x, ids, w = args[0], args[1].reshape(args[0].shape[0], -1), args[2].reshape(args[0].shape[0], -1)
             y = outputs(x).float().permute(1, 0, 2)  # [T, E, H]
-            mine = y.gather(1, ids.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+            mine = y.gather(1, ids.unsqueeze(-1).expand(-1, -1, y.shape[-1]))  # [T, K, H]
             o = (w.float().unsqueeze(-1) * mine).sum(1, keepdim=True)
             sums[block.index].index_add_(0, ids.flatten(), (o - mine).square().sum(-1).flatten().double())
             counts[block.index].index_add_(0, ids.flatten(), torch.ones(ids.numel(), dtype=torch.float64))
+            gram = y @ y.transpose(1, 2)  # [T, E, E]
+            norms = gram.diagonal(dim1=1, dim2=2)
+            apart = norms.unsqueeze(2) + norms.unsqueeze(1) - 2 * gram  # ||y_e - y_f||^2
+            routed = apart.gather(1, ids.unsqueeze(-1).expand(-1, -1, apart.shape[-1]))  # [T, K, E]
+            swaps[block.index].index_add_(0, ids.flatten(), routed.reshape(-1, apart.shape[-1]).double())
 
         return hook
 
@@ -156,7 +164,12 @@ def drop_costs(model, windows):
             model(input_ids=batch, use_cache=False)
     for h in handles:
         h.remove()
-    return {i: (sums[i] / counts[i].clamp_min(1)).float() for i in sums}
+    costs = {i: (sums[i] / counts[i].clamp_min(1)).float() for i in sums}
+    best_swap = {}
+    for i, m in swaps.items():
+        ratio = m / sums[i].clamp_min(1e-30).unsqueeze(1)
+        best_swap[i] = float(ratio.fill_diagonal_(float("inf")).min(dim=1).values.median())
+    return costs, best_swap
 
 
 def main(out="bench/results/half_experts/leads.json"):
@@ -171,7 +184,9 @@ def main(out="bench/results/half_experts/leads.json"):
     held = token_windows(tokenizer, docs, 69, 256, token_range=(40000, None))
     sim = calibrate(model, batched(calib, 16), "cosine", progress=False)  # cosine: similarity + predictors
     STATE["similarity"] = dict(sim)
-    costs = drop_costs(model, calib)
+    costs, best_swap = drop_costs(model, calib)
+    print("best substitute's ||y_e - y_f||^2 over ||o_t - y_e||^2, median over experts, per layer:",
+          {i: round(v, 3) for i, v in best_swap.items()}, flush=True)
     blocks = find_moe_blocks(model)
     for b in blocks:
         outputs = ExpertOutputs(b.experts, b.num_experts)
@@ -216,7 +231,7 @@ def main(out="bench/results/half_experts/leads.json"):
               f"{r['dnll_vs_weight_ci'][1]:+.4f}]  experts {r['experts']:.1f} of {r['baseline_experts']:.1f}", flush=True)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump({"variants": results, "best_substitute_ratio": best_swap}, f, indent=1)
     print(f"wrote {out}")
 
 
