@@ -335,16 +335,17 @@ def weight_select(scores: torch.Tensor, k: int, S: int, neutral: float, *, rho: 
     if isinstance(N, float):  # a fraction of what this call picked: a tensor, decided per call
         N = (picked.sum().double() * N + 1e-9).floor().clamp_min(1)  # float64: 0.6 * 5 is 3, not 2.99
     # budgets fill in one order: top-S members first, then by importance, ties to the lower index
-    key = importance
+    order = importance.masked_fill(~loaded, -1.0)
     if N is not None and (isinstance(N, torch.Tensor) or N < num_experts):
-        loaded = loaded & (_places(key.masked_fill(~loaded, -1.0), first=kept & loaded) < N)
+        loaded = loaded & (_places(order, first=kept & loaded) < N)
+        order = order.masked_fill(~loaded, -1.0)
     if rank_budget is not None:  # expert parallelism: at most this many experts read on any rank
         same_rank = owner.unsqueeze(0) == owner.unsqueeze(1)
         cap = rank_budget
         if isinstance(rank_budget, float):  # a fraction of what this call's tokens picked on the expert's rank
             demand = (same_rank & picked.unsqueeze(0)).sum(dim=1).double()
             cap = (demand * rank_budget + 1e-9).floor().clamp_min(1)
-        loaded = loaded & (_places(key.masked_fill(~loaded, -1.0), same_rank, first=kept & loaded) < cap)
+        loaded = loaded & (_places(order, same_rank, first=kept & loaded) < cap)
     if free is not None:
         loaded = loaded | free
     values, ids = _refill(scores, k, loaded, neutral, valid_rows)
@@ -396,7 +397,7 @@ def select_topk(
         raise argument_error("predictor", f"predictor: policy 'output' needs one and only it takes one; got policy "
                                           f"{policy!r} with predictor={'a tensor' if predictor is not None else None}")
 
-    def policy_fn(scores, *predictor_):  # the predictor as an operand: torch.cond's branches take tensors so
+    def policy_fn(scores, *predictor_):  # an operand, not a closure: torch.cond hands its branches tensors
         predictor = predictor_[0] if predictor_ else None
         flat = scores.reshape(-1, e)
         if policy == "topk":
