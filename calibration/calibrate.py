@@ -11,6 +11,7 @@ site, and the experts' hook pairs them with the experts' output norms on the sam
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -25,7 +26,9 @@ from sere_fx.errors import ArgumentTypeError, ArgumentValueError
 from sere_fx.similarity import Similarity
 
 
-_FIT_CHUNK = 2048  # tokens per expert-output evaluation of the predictor fit ([E, chunk, H] at a time)
+def _fit_rows(fit: PredictorFit, features: torch.Tensor, start: int, outputs: torch.Tensor) -> None:
+    """Feed one chunk of expert outputs ``[E, chunk, H]`` (rows ``start:``) to a predictor fit."""
+    fit.update(features[start:start + outputs.shape[1]], outputs)
 
 
 def _as_batch(batch):
@@ -87,15 +90,15 @@ def calibrate(
                         f"calibrate: layer {index}'s experts got {x.shape[0]} rows for a batch of {mask.numel()} tokens"
                     )
                 x = x[mask]
-            accs[index].update(x)
+            also = None
             if fits:
                 f = features.pop(index)
                 f = f if mask is None else f[mask]
                 if f.shape[0] != x.shape[0]:
                     raise RuntimeError(f"calibrate: layer {index}'s router scored {f.shape[0]} rows, its experts got "
                                        f"{x.shape[0]}")
-                for start in range(0, x.shape[0], _FIT_CHUNK):
-                    fits[index].update(f[start:start + _FIT_CHUNK], accs[index].outputs(x[start:start + _FIT_CHUNK]))
+                also = functools.partial(_fit_rows, fits[index], f)  # reads the accumulator's own outputs
+            accs[index].update(x, also=also)
 
         return hook
 

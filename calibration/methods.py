@@ -25,8 +25,11 @@ METHODS = ("frobenius", "cosine", "cka")
 DEFAULT_CKA_SAMPLE = 1024
 
 
+DEFAULT_CHUNK_TOKENS = 2048  # tokens per expert-output evaluation ([E, chunk, H] at a time)
+
+
 class _GramAccumulator:
-    def __init__(self, expert_outputs, num_experts: int, chunk_tokens: int = 2048):
+    def __init__(self, expert_outputs, num_experts: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
         self.outputs = expert_outputs
         self.gram = torch.zeros(num_experts, num_experts, dtype=torch.float64)
         self.tokens = 0
@@ -36,9 +39,14 @@ class _GramAccumulator:
         return y
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor) -> None:
+    def update(self, x: torch.Tensor, also=None) -> None:
+        """``also(start, y)``: called with each chunk's raw outputs ``[E, chunk, H]`` (the predictor
+        fit reads the same ones, so every expert runs once per token)."""
         for start in range(0, x.shape[0], self.chunk_tokens):
-            y = self._prepare(self.outputs(x[start : start + self.chunk_tokens]).float())
+            raw = self.outputs(x[start : start + self.chunk_tokens])
+            if also is not None:
+                also(start, raw)
+            y = self._prepare(raw.float())
             flat = y.reshape(y.shape[0], -1)
             self.gram += (flat @ flat.T).to("cpu", torch.float64)
         self.tokens += x.shape[0]
@@ -74,7 +82,11 @@ class CKA:
         self.gen = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor) -> None:
+    def update(self, x: torch.Tensor, also=None) -> None:
+        """``also(start, y)`` as for the Gram methods (CKA itself reads outputs only at the end)."""
+        if also is not None:
+            for start in range(0, x.shape[0], DEFAULT_CHUNK_TOKENS):
+                also(start, self.outputs(x[start : start + DEFAULT_CHUNK_TOKENS]))
         x = x.detach()
         if self.rows is None:
             self.rows = x.new_empty(0, x.shape[1])
