@@ -19,7 +19,7 @@ import torch
 from torch import fx
 from torch._dynamo.utils import counters
 
-from sere_fx.config import LayerInfo, calibration_need, needs_similarity, plan_for_layers, restrict, routing_spec
+from sere_fx.config import LayerInfo, calibration_need, plan_for_layers, restrict, routing_spec
 from sere_fx.discovery import layer_index
 from sere_fx.errors import ArgumentValueError
 from sere_fx.model_transform import DEFAULT_MAX_TOKENS, check_max_tokens
@@ -64,9 +64,8 @@ class SereBackend:
         check_max_tokens(max_tokens)
         self.spec = routing_spec(config, policy=policy, S=S, rho=rho, N=N, plan=plan)
         self.sim = as_similarity(sim) if sim is not None else None
-        if self.sim is None and needs_similarity(self.spec):
-            policy, need = calibration_need(self.spec)
-            raise ArgumentValueError("sim", f"sim: policy {policy!r} {need}, got None")
+        if self.sim is None and (need := calibration_need(self.spec)) is not None:
+            raise ArgumentValueError("sim", f"sim: policy {need[0]!r} {need[1]}, got None")
         self.max_tokens, self.strict, self.inner = max_tokens, strict, inner
         self.sites_rewritten = 0
         self.layers_rewritten: set[int] = set()

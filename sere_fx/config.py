@@ -439,7 +439,7 @@ def calibration_need(spec) -> tuple[str, str] | None:
 def needs_similarity(spec) -> bool:
     """Whether some layer's policy reads the calibration file (``sim``): an expert-similarity matrix
     (the index policies) or an output-size predictor (``output``)."""
-    return any(CONFIGS[p].needs_similarity or CONFIGS[p].needs_predictor for p in spec_policies(spec) if p in CONFIGS)
+    return calibration_need(spec) is not None
 
 
 def restrict(spec, indices):

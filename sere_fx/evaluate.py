@@ -58,10 +58,7 @@ class PolicySpec:
         """What the spec needs from ``--sim`` ("needs ...", ``config.calibration_need``), or None."""
         if self.kwargs is None:
             return None
-        if "rank_budget" in self.kwargs:  # a per-rank budget: one config, placed later
-            need = calibration_need(config(**self.kwargs, placement=Placement(1)))
-        else:
-            need = calibration_need(self.routing())
+        need = calibration_need(self.routing(Placement(1)))  # a per-rank budget is built on some placement
         return None if need is None else need[1]
 
 
@@ -420,8 +417,8 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
     specs = [s for s in specs if s.kwargs is not None]
     routings = {s.label: s.routing(placement) for s in specs}  # plan files read, values checked
     for s in specs:
-        if needs_similarity(routings[s.label]) and sim is None:
-            raise ArgumentValueError("sim", f"sim: policy {s.label!r} {calibration_need(routings[s.label])[1]}, got None")
+        if sim is None and (need := calibration_need(routings[s.label])) is not None:
+            raise ArgumentValueError("sim", f"sim: policy {s.label!r} {need[1]}, got None")
     # Everything the model decides (S against each layer's top-k, the similarity's layers and
     # shapes, quantiles) fails now, not after the baseline pass.
     layers = find_moe_layers(model)

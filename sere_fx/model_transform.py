@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sere_fx.config import RoutingConfig, calibration_need, needs_similarity, plan_for_layers, routing_spec
+from sere_fx.config import RoutingConfig, calibration_need, plan_for_layers, routing_spec
 from sere_fx.discovery import check_identity, find_moe_layers
 from sere_fx.errors import argument_error
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
@@ -148,9 +148,8 @@ def transform(
         sim = as_similarity(sim)
         matrices = resolve(sim, layers)
         check_identity(sim.metadata, model, layers)
-    elif needs_similarity(spec):
-        policy, need = calibration_need(spec)
-        raise argument_error("sim", f"sim: policy {policy!r} {need}, got None")
+    elif (need := calibration_need(spec)) is not None:
+        raise argument_error("sim", f"sim: policy {need[0]!r} {need[1]}, got None")
     layer_plans = plan_for_layers(spec, layers, matrices)
     tensors = layer_tensors(sim, layers, layer_plans, matrices) if sim is not None else {}
     # Rewrite every router's graph first (the graphs are copies: the model is untouched), then install.
