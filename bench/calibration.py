@@ -6,7 +6,7 @@ The children run with ``MALLOC_MMAP_THRESHOLD_=1048576``: glibc otherwise raises
 threshold after freeing large blocks and keeps later ones on the heap, which shows up as
 peak-RSS drift between runs that has nothing to do with what the code holds.
 
-    python bench/calibration.py [--testbed ../shared/testbed] [--out bench/results/calibration.json]
+    python bench/calibration.py [--testbed DIR (default: the packaged test-bed)] [--out bench/results/calibration.json]
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import os
 import platform
 import subprocess
 import sys
+
+from sere_fx.resources import testbed_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,7 +54,7 @@ def child(testbed: str, method: str, num_seqs: int, seq_len: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--testbed", default=os.path.join(HERE, "..", "..", "shared", "testbed"))
+    p.add_argument("--testbed", default=testbed_dir())
     p.add_argument("--methods", nargs="+", default=["frobenius", "cosine", "cka"])
     p.add_argument("--num-seqs", type=int, nargs="+", default=[100, 400])
     p.add_argument("--seq-len", type=int, default=128)

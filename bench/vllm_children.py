@@ -16,8 +16,10 @@ import os
 import subprocess
 import sys
 
+from sere_fx.resources import testbed_dir
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTBED = os.path.abspath(os.path.join(HERE, "..", "..", "shared", "testbed"))
+TESTBED = testbed_dir()  # the test-bed the package ships
 TESTBED_MODEL = os.path.join(TESTBED, "model")
 
 

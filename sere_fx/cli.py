@@ -82,9 +82,6 @@ def cmd_calibrate(args) -> int:
     _check_data(args)
     model, tokenizer = _load_model(args.model, args.dtype)
     windows = _windows(args, tokenizer, args.seq_len)
-    if windows.shape[0] < args.num_seqs:
-        print(f"note: {args.data} gives {windows.shape[0]} windows of {args.seq_len} tokens (asked for {args.num_seqs})",
-              file=sys.stderr)
     total = -(-windows.shape[0] // args.batch_size)
     sim = calibrate(
         model,
@@ -191,8 +188,12 @@ def _check_data(args) -> None:
 def _windows(args, tokenizer, seq_len: int):
     from sere_fx.calibration.data import read_documents, token_windows
 
-    return token_windows(tokenizer, read_documents(args.data, args.txt_docs), seq_len, args.num_seqs,
-                         token_range=args.parsed_token_range)
+    windows = token_windows(tokenizer, read_documents(args.data, args.txt_docs), seq_len, args.num_seqs,
+                            token_range=args.parsed_token_range)
+    if windows.shape[0] < args.num_seqs:  # --num-seqs is a cap: say when the text is what limits the run
+        print(f"note: {args.data} gives {windows.shape[0]} windows of {seq_len} tokens (asked for --num-seqs "
+              f"{args.num_seqs})", file=sys.stderr)
+    return windows
 
 
 def cmd_eval(args) -> int:
@@ -536,6 +537,10 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+# Library arguments that the CLI builds from differently named options.
+_OPTION_OF = {"placement": "--ep-ranks"}
+
+
 def _report(command: str, exc: Exception, options: set[str]) -> int:
     """One line for an error raised below the CLI. The library names its arguments (``err.arg``:
     ``sim``, ``max_tokens``); where that argument is also this command's option, say it as the option."""
@@ -543,7 +548,7 @@ def _report(command: str, exc: Exception, options: set[str]) -> int:
 
     line = _first_line(exc)
     if isinstance(exc, ArgumentError):
-        option = "--" + exc.arg.replace("_", "-")
+        option = _OPTION_OF.get(exc.arg, "--" + exc.arg.replace("_", "-"))
         if option in options:
             line = _first_line(exc.said_as(option))
     elif not isinstance(exc, (ValueError, TypeError, FileNotFoundError)):  # not one of ours: say what it was

@@ -60,17 +60,21 @@ def expert_count(experts: nn.Module, where: str) -> int:
     raise RoutingMatchError(f"{where}: cannot tell how many experts it holds (no num_experts, not a ModuleList, no 3-D weight)")
 
 
-def _example_input(experts: nn.Module, hidden_size: int) -> torch.Tensor:
+def _example_input(experts: nn.Module, hidden_size: int, allow_meta: bool) -> torch.Tensor:
     p = next(experts.parameters(), None)
     dtype = p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
     device = p.device if p is not None else torch.device("cpu")
     if device.type == "meta":
-        raise ArgumentValueError("model", "model: its expert weights are on the 'meta' device; load real weights before transform")
+        if not allow_meta:
+            raise ArgumentValueError("model", "model: its expert weights are on the 'meta' device; load real weights "
+                                              "before transform")
+        return torch.empty(3, hidden_size, dtype=dtype, device=device)  # shapes only
     gen = torch.Generator().manual_seed(0)
     return torch.randn(3, hidden_size, generator=gen).to(device=device, dtype=dtype)
 
 
-def _router_of(block_name: str, block: nn.Module, experts: nn.Module, num_experts: int, hidden_size: int):
+def _router_of(block_name: str, block: nn.Module, experts: nn.Module, num_experts: int, hidden_size: int,
+               allow_meta: bool = False):
     seen = []
     found = []
     for child_name, child in block.named_children():
@@ -85,7 +89,7 @@ def _router_of(block_name: str, block: nn.Module, experts: nn.Module, num_expert
         if not any(op_kind(n) == "topk" for n in graph.nodes):
             seen.append(f"{child_name} ({type(child).__name__}): no top-k")
             continue
-        annotate_shapes(child, graph, _example_input(experts, hidden_size))
+        annotate_shapes(child, graph, _example_input(experts, hidden_size, allow_meta))
         site = match_router(graph, num_experts, where)
         if site is None:
             seen.append(f"{child_name} ({type(child).__name__}): top-ks {describe_topks(graph)} are not over {num_experts} experts")
@@ -129,14 +133,16 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return blocks
 
 
-def find_moe_layers(model: nn.Module) -> list[MoELayer]:
-    """Every MoE layer of ``model`` in module order, each with its router's routing site."""
+def find_moe_layers(model: nn.Module, *, allow_meta: bool = False) -> list[MoELayer]:
+    """Every MoE layer of ``model`` in module order, each with its router's routing site.
+    ``allow_meta``: the model may be built on the meta device (shapes only: the sites are found,
+    nothing can be computed), as the vLLM plugin's start-up check builds the served model's config."""
     hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
     layers = []
     for b in find_moe_blocks(model):
         if not isinstance(hidden_size, int):
             raise RoutingMatchError(f"model ({type(model).__name__}): needs config.hidden_size to trace its routers")
-        router_name, router, graph, site = _router_of(b.name, b.block, b.experts, b.num_experts, hidden_size)
+        router_name, router, graph, site = _router_of(b.name, b.block, b.experts, b.num_experts, hidden_size, allow_meta)
         layers.append(MoELayer(b.index, b.name, b.experts, b.num_experts, router_name, router, graph, site))
     return layers
 

@@ -28,7 +28,7 @@ from sere_fx.config import calibration_need, config, needs_similarity, plan_for_
 from sere_fx.discovery import find_moe_blocks, find_moe_layers
 from sere_fx.errors import ArgumentError, ArgumentTypeError, ArgumentValueError, argument_error
 from sere_fx.model_transform import restore, transform
-from sere_fx.placement import Placement, rank_load
+from sere_fx.placement import Placement, check_layers, rank_load
 from sere_fx.plan import Quantile, parse_budget
 from sere_fx.policies import POLICIES, bypass
 from sere_fx.similarity import as_similarity, layer_tensors, resolve
@@ -422,6 +422,7 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
     # Everything the model decides (S against each layer's top-k, the similarity's layers and
     # shapes, quantiles) fails now, not after the baseline pass.
     layers = find_moe_layers(model)
+    check_layers(placement, layers)
     matrices = None
     if sim is not None:
         sim = as_similarity(sim)

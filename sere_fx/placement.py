@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sere_fx.errors import argument_error
+from sere_fx.errors import ArgumentError, argument_error
 
 STRATEGIES = ("linear", "round_robin", "explicit")
 
@@ -49,6 +49,10 @@ class Placement:
 
     def owner(self, num_experts: int, device=None) -> torch.Tensor:
         """The rank of each expert, int64 ``[num_experts]``."""
+        if self.owners is None and self.ranks > num_experts:
+            # vLLM refuses it too: a rank with no expert is not expert parallelism of this layer
+            raise argument_error("ranks", f"ranks: expected at most {num_experts} EP ranks (the layer's experts: "
+                                          f"each rank holds one or more), got {self.ranks}")
         if self.owners is not None:
             if len(self.owners) != num_experts:
                 raise argument_error("owners", f"owners: expected a rank for each of the {num_experts} experts, "
@@ -64,6 +68,18 @@ class Placement:
 
     def describe(self) -> str:
         return f"{self.ranks} EP ranks, {self.strategy} placement"
+
+
+def check_layers(placement: Placement | None, layers) -> None:
+    """Refuse a placement that does not fit some MoE layer (``layers``: with ``index`` and
+    ``num_experts``), naming the layer, before any long work."""
+    if placement is None:
+        return
+    for layer in layers:
+        try:
+            placement.owner(layer.num_experts)
+        except ArgumentError as exc:
+            raise exc.renamed("placement", words={"the layer's": f"layer {layer.index}'s"}) from None
 
 
 def rank_load(ids: torch.Tensor, owner: torch.Tensor, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:

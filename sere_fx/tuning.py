@@ -40,7 +40,7 @@ from sere_fx.discovery import find_moe_layers
 from sere_fx.errors import ArgumentValueError
 from sere_fx.evaluate import DecodeScores, decode_scores
 from sere_fx.model_transform import restore, transform
-from sere_fx.placement import Placement
+from sere_fx.placement import Placement, check_layers
 from sere_fx.similarity import as_similarity, resolve
 
 METRICS = ("nll", "accuracy")
@@ -227,6 +227,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         raise ArgumentValueError("probe_sequences", f"probe_sequences: expected an int in [{batch_size}, {n}] (at "
                                                     f"least one batch, at most the windows), got {probe_sequences!r}")
     layers = find_moe_layers(model)
+    check_layers(placement, layers)
     sim = as_similarity(sim)
     matrices = resolve(sim, layers)
     kw = dict(batch_size=batch_size, prefill=prefill, progress=False, placement=placement)

@@ -230,15 +230,12 @@ def test_data_formats(tmp_path):
         token_windows(Tok(), ["abcd", "efghijkl"], 4, token_range=(40, None))
 
 
-TESTBED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "testbed")
-
-
-@pytest.mark.skipif(not os.path.isdir(TESTBED), reason="../shared/testbed not present")
 def test_cli_end_to_end_on_testbed(tmp_path, capsys):
     from sere_fx.cli import main
+    from sere_fx.resources import testbed_model, testbed_text
 
     out = tmp_path / "sim.safetensors"
-    assert main(["calibrate", "--model", f"{TESTBED}/model", "--data", f"{TESTBED}/eval_public.txt",
+    assert main(["calibrate", "--model", testbed_model(), "--data", testbed_text(),
                  "--num-seqs", "8", "--seq-len", "32", "--batch-size", "4", "--out", str(out)]) == 0
     sim = sere_fx.Similarity.load(out)
     assert sorted(sim) == [0, 1, 2, 3] and sim.metadata["tokens"] == 256 and sim.metadata["seq_len"] == 32

@@ -23,7 +23,7 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("vllm")
 
-from vllm_models import TESTBED_MODEL, write_checkpoint, write_dense_checkpoint  # noqa: E402
+from vllm_models import TESTBED_MODEL, TESTBED_TEXT, write_checkpoint, write_dense_checkpoint  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -32,9 +32,6 @@ PROMPTS = [f"def {name}(self, value):\n    " + "x = value\n    " * (i % 4) + "re
            for i, name in enumerate(["get", "put", "run", "read", "parse", "close", "open", "send", "load", "dump",
                                      "keys", "items", "split", "join", "find", "copy", "sort", "next", "wait", "stop",
                                      "feed", "push", "pop", "seek"])]
-
-pytestmark = pytest.mark.skipif(not os.path.isdir(TESTBED_MODEL), reason="test-bed model not found in ../shared")
-
 
 def run_engine(tmp_path, name, model=TESTBED_MODEL, sere=None, expect_failure=False, multiprocess=False,
                allow_failure=False, **spec):
@@ -75,7 +72,7 @@ def calibrated(model_dir, out):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    text = os.path.join(os.path.dirname(TESTBED_MODEL), "eval_public.txt")
+    text = TESTBED_TEXT
     windows = token_windows(tokenizer, read_documents(text), 64, 32)
     calibrate(model, batched(windows, 16), "frobenius").save(out)
     return str(out)
@@ -165,7 +162,7 @@ def long_prompts(n=8, length=129):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TESTBED_MODEL)
-    text = open(os.path.join(os.path.dirname(TESTBED_MODEL), "eval_public.txt")).read()
+    text = open(TESTBED_TEXT).read()
     ids = tokenizer(text[:200_000])["input_ids"]
     return [{"prompt_token_ids": ids[i * 1000: i * 1000 + length]} for i in range(n)]
 

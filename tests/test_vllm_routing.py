@@ -7,6 +7,7 @@ decode rows, and the router's own output for every other row.
 from __future__ import annotations
 
 import os
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +25,7 @@ from reference import engine_reroute_loop, least_similar_loop, oea_loop, rank_or
 from sere_fx.plan import LayerPlan  # noqa: E402
 from sere_fx.vllm import engine  # noqa: E402
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install, predictor_refusal  # noqa: E402
+from sere_fx.vllm.settings import SettingsError  # noqa: E402
 
 E, K, T, H = 16, 4, 12, 8
 
@@ -342,10 +344,26 @@ def test_statistics_count_the_busiest_expert_parallel_rank(engine_state):
     assert stats["distinct_after"] / 4 <= stats["max_rank_after"] <= stats["distinct_after"]
 
 
-def test_a_request_value_that_is_not_a_bool_is_warned_about_once(engine_state, monkeypatch):
+def test_a_request_value_that_is_not_a_bool_is_warned_about_once_per_value(engine_state, monkeypatch):
+    # the calling process refuses such requests (test_request_values); one that reaches a worker
+    # anyway is re-routed, and each distinct value is said once, not once per server
     warned = []
-    monkeypatch.setattr(engine_state, "warn_once", lambda key, msg, *a: warned.append((key, msg % a)))
-    plan(engine_state, *MIXED, new=[("a", SimpleNamespace(extra_args={"sere": "no"}))])
+    monkeypatch.setattr(engine, "_logger", lambda: SimpleNamespace(warning=lambda msg, *a: warned.append(msg % a)))
+    plan(engine_state, *MIXED, new=[("a", SimpleNamespace(extra_args={"sere": "no"})),
+                                    ("b", SimpleNamespace(extra_args={"sere": "no"})),
+                                    ("c", SimpleNamespace(extra_args={"sere": "false"}))])
     assert masks(T)[0].nonzero().flatten().tolist() == [0, 1, 7]  # re-routed as by default
-    assert warned == [("request-value", "sere-fx: request a: extra_args['sere'] expected true or false, got 'no'; "
-                                        "its rows are re-routed as by default")]
+    said = """extra_args["sere"] ("vllm_xargs" through the OpenAI server): expected true or false, got"""
+    assert warned == [f"sere-fx: request a: {said} 'no' (str); its rows are re-routed as by default",
+                      f"sere-fx: request c: {said} 'false' (str); its rows are re-routed as by default"]
+
+
+def test_request_values():
+    from sere_fx.vllm.settings import request_reroutes
+
+    assert [request_reroutes(x) for x in (None, {}, {"sere": True}, {"sere": 1}, {"other": 0})] == [True] * 5
+    assert [request_reroutes({"sere": v}) for v in (False, 0)] == [False, False]
+    for bad in ("false", "0", 2, None, 0.0, [False]):
+        with pytest.raises(SettingsError, match=re.escape(f'extra_args["sere"] ("vllm_xargs" through the OpenAI server): '
+                                                          f"expected true or false, got {bad!r}")):
+            request_reroutes({"sere": bad})

@@ -13,8 +13,11 @@ import torch
 
 from tiny_models import _config
 
-TESTBED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "testbed")
-TESTBED_MODEL = os.path.abspath(os.path.join(TESTBED, "model"))
+from sere_fx.resources import testbed_model, testbed_text
+
+# The test-bed the package ships (a fresh clone has it; nothing is looked for beside the checkout).
+TESTBED_MODEL = testbed_model()
+TESTBED_TEXT = testbed_text()
 
 _SIZES = dict(vocab_size=4096, hidden_size=128, intermediate_size=128, num_attention_heads=2,
               num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=0, bos_token_id=0)

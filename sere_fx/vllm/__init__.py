@@ -98,11 +98,14 @@ def _install_hooks() -> None:
 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core_client import EngineCoreClient
+    from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.gpu_worker import Worker
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from sere_fx.vllm import engine, metrics
-    from sere_fx.vllm.settings import SETTINGS_KEY, ignored_similarity, parse
+    from sere_fx.vllm import engine, metrics, siblings, startup
+    from sere_fx.vllm.settings import SETTINGS_KEY, SettingsError, ignored_similarity, parse, request_reroutes
 
     def settings_of(vllm_config):
         extra = vllm_config.additional_config
@@ -117,26 +120,87 @@ def _install_hooks() -> None:
         if raw is not None:
             # the runner's own model: a speculative-decoding draft is loaded by the runner too,
             # into its own module tree, and is never attached
-            engine.attach(self.model_runner.get_model(), self.vllm_config, raw, self.model_runner)
+            try:
+                engine.attach(self.model_runner.get_model(), self.vllm_config, raw, self.model_runner)
+            except SettingsError as exc:
+                startup.record(exc)  # the calling process says it last (startup.raise_recorded)
+                raise
             metrics.start_export(self.vllm_config, self.rank)
 
     create_engine_config = EngineArgs.create_engine_config
 
     @functools.wraps(create_engine_config)
     def create_engine_config_checked(self, *args, **kwargs):
-        # Every mistake that the model does not decide fails here, in the calling process,
-        # before any worker starts; the rest fails in the workers once the model is built.
+        # Every mistake that the settings or the model's config decide fails here, in the calling
+        # process, before any worker starts; what only a worker can tell is relayed (startup).
         config = create_engine_config(self, *args, **kwargs)
         raw = settings_of(config)
         if raw is not None:
-            settings = parse(raw)
-            engine.check_engine_config(config)
+            try:
+                settings = parse(raw)
+                engine.check_engine_config(config)
+                startup.check_model(config, settings)
+            except SettingsError as exc:
+                startup.fail(exc)
             warning = ignored_similarity(settings)
             if warning:
                 _logger().warning(warning)
             if settings.stats:
                 metrics.prepare(config)
+            startup.name_error_file()
         return config
+
+    def relaying(make):
+        @functools.wraps(make)
+        def make_and_relay(*args, **kwargs):
+            try:
+                client = make(*args, **kwargs)
+            except SettingsError as exc:  # an in-process engine core: the worker's own error
+                startup.take_recorded()
+                startup.fail(exc)
+            except Exception:
+                message = startup.take_recorded()
+                if message is None:
+                    raise
+                startup.fail(SettingsError(message))
+            startup.take_recorded()
+            return client
+
+        return staticmethod(make_and_relay)
+
+    process_inputs = InputProcessor.process_inputs
+
+    @functools.wraps(process_inputs)
+    def process_inputs_checked(self, *args, **kwargs):
+        request = process_inputs(self, *args, **kwargs)
+        if settings_of(self.vllm_config) is not None:
+            params = request.sampling_params
+            if params is not None:
+                try:
+                    request_reroutes(params.extra_args)
+                except SettingsError as exc:  # a 400 from the server, a ValueError from LLM.generate
+                    raise _validation_error(str(exc)) from None
+            siblings.stamp(request)
+        return request
+
+    add_request = Scheduler.add_request
+
+    @functools.wraps(add_request)
+    def add_request_with_siblings(self, request):
+        if settings_of(self.vllm_config) is None:
+            return add_request(self, request)
+        gate = self.__dict__.setdefault("_sere_siblings", siblings.Gate())
+        for admitted in gate.admit(request):
+            add_request(self, admitted)
+
+    finish_requests = Scheduler.finish_requests
+
+    @functools.wraps(finish_requests)
+    def finish_requests_with_siblings(self, request_ids, *args, **kwargs):
+        gate = self.__dict__.get("_sere_siblings")
+        if gate is not None:
+            gate.forget(request_ids)
+        return finish_requests(self, request_ids, *args, **kwargs)
 
     post_init = ForwardContext.__post_init__
 
@@ -150,9 +214,24 @@ def _install_hooks() -> None:
         setattr(runner_cls, method, _planning(getattr(runner_cls, method), read))
     Worker.load_model = load_model_with_sere
     EngineArgs.create_engine_config = create_engine_config_checked
+    EngineCoreClient.make_client = relaying(EngineCoreClient.make_client)
+    EngineCoreClient.make_async_mp_client = relaying(EngineCoreClient.make_async_mp_client)
+    InputProcessor.process_inputs = process_inputs_checked
+    Scheduler.add_request = add_request_with_siblings
+    Scheduler.finish_requests = finish_requests_with_siblings
     ForwardContext.__post_init__ = post_init_with_rows
     WorkerBase.sere_routing_stats = engine.worker_stats
     WorkerBase.sere_reset_routing_stats = engine.reset_worker_stats
+
+
+def _validation_error(message: str) -> Exception:
+    """vLLM's own request-validation error (the server answers it with 400), or a ValueError."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+
+        return VLLMValidationError(message, parameter="vllm_xargs")
+    except Exception:  # noqa: BLE001 - another vLLM layout
+        return ValueError(message)
 
 
 def _planning(prepare, read):

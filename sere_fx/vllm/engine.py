@@ -36,11 +36,8 @@ from sere_fx.placement import Placement
 from sere_fx.policies import TOPK_POLICIES
 from sere_fx.vllm import _logger
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install, predictor_refusal
-from sere_fx.vllm.settings import WHERE, EngineLayer, SettingsError, parse, resolve_layers, to_device
-
-# The per-request switch: SamplingParams(extra_args={"sere": False}) keeps a request's rows on
-# the model's routing (``"vllm_xargs": {"sere": false}`` through the OpenAI server).
-REQUEST_KEY = "sere"
+from sere_fx.vllm.settings import (REQUEST_KEY, WHERE, EngineLayer, SettingsError, parse, request_reroutes, resolve_layers,
+                                   to_device)
 
 
 # Statistic fields, summed on the device per layer: ``decode_steps`` counts calls with at least
@@ -107,14 +104,15 @@ class _Engine:
         self.pending = (flags, query_start_loc[: n + 1])
 
     def _opts_out(self, req_id: str, params) -> bool:
-        extra = getattr(params, "extra_args", None) or {}
-        value = extra.get(REQUEST_KEY, True)
-        # the OpenAI server's vllm_xargs validation turns JSON false / true into 0 / 1
-        if isinstance(value, (bool, int)) and value in (0, 1):
-            return not value
-        self.warn_once("request-value", "sere-fx: request %s: extra_args[%r] expected true or false, got %r; "
-                       "its rows are re-routed as by default", req_id, REQUEST_KEY, value)
-        return False
+        try:
+            return not request_reroutes(getattr(params, "extra_args", None))
+        except SettingsError as exc:
+            # The calling process refuses such requests (sere_fx.vllm.register); one that got here
+            # another way is re-routed, and each distinct value is said once.
+            value = (params.extra_args or {}).get(REQUEST_KEY)
+            self.warn_once(f"request-value:{value!r}", "sere-fx: request %s: %s; its rows are re-routed as by default",
+                           req_id, exc)
+            return False
 
     def refresh(self) -> None:
         """A forward starts: fill the row masks from the planned step, or clear them (device ops only)."""

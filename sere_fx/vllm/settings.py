@@ -37,6 +37,9 @@ WHERE = f'additional_config["{SETTINGS_KEY}"]'
 _KEYS = ("sim", "S", "rho", "N", "policy", "plan", "decode_only", "spec_decode", "stats", "dp_loaded_set", "ep_ranks",
          "ep_placement")
 SPEC_DECODE = ("reroute", "keep")
+# The per-request switch: SamplingParams(extra_args={"sere": False}) keeps a request's rows on
+# the model's routing (``"vllm_xargs": {"sere": false}`` through the OpenAI server).
+REQUEST_KEY = "sere"
 
 
 class SettingsError(ValueError):
@@ -180,6 +183,17 @@ def parse(raw) -> EngineSettings:
         raise SettingsError(f"{_key('sim')}: policy {needing[0]!r} needs a similarity file from `sere-fx calibrate`, "
                             "got none")
     return settings
+
+
+def request_reroutes(extra_args) -> bool:
+    """Whether a request's rows are re-routed: ``extra_args["sere"]`` true (the default) or false.
+    The OpenAI server's ``vllm_xargs`` turns JSON true / false into 1 / 0; anything else (a string
+    ``"false"``, 2, null) is refused, naming the key."""
+    value = (extra_args or {}).get(REQUEST_KEY, True)
+    if isinstance(value, (bool, int)) and value in (0, 1):
+        return bool(value)
+    raise SettingsError(f'extra_args["{REQUEST_KEY}"] ("vllm_xargs" through the OpenAI server): expected true or '
+                        f"false, got {value!r} ({type(value).__name__})")
 
 
 def ignored_similarity(settings: EngineSettings) -> str | None:
