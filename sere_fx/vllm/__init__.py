@@ -123,7 +123,7 @@ def _install_hooks() -> None:
             try:
                 engine.attach(self.model_runner.get_model(), self.vllm_config, raw, self.model_runner)
             except SettingsError as exc:
-                startup.record(exc)  # the calling process says it last (startup.raise_recorded)
+                startup.record(exc)  # the calling process says it last (startup.relaying)
                 raise
             metrics.start_export(self.vllm_config, self.rank)
 
@@ -149,24 +149,6 @@ def _install_hooks() -> None:
                 metrics.prepare(config)
             startup.name_error_file()
         return config
-
-    def relaying(make):
-        @functools.wraps(make)
-        def make_and_relay(*args, **kwargs):
-            try:
-                client = make(*args, **kwargs)
-            except SettingsError as exc:  # an in-process engine core: the worker's own error
-                startup.take_recorded()
-                startup.fail(exc)
-            except Exception:
-                message = startup.take_recorded()
-                if message is None:
-                    raise
-                startup.fail(SettingsError(message))
-            startup.take_recorded()
-            return client
-
-        return staticmethod(make_and_relay)
 
     process_inputs = InputProcessor.process_inputs
 
@@ -214,8 +196,8 @@ def _install_hooks() -> None:
         setattr(runner_cls, method, _planning(getattr(runner_cls, method), read))
     Worker.load_model = load_model_with_sere
     EngineArgs.create_engine_config = create_engine_config_checked
-    EngineCoreClient.make_client = relaying(EngineCoreClient.make_client)
-    EngineCoreClient.make_async_mp_client = relaying(EngineCoreClient.make_async_mp_client)
+    EngineCoreClient.make_client = staticmethod(startup.relaying(EngineCoreClient.make_client))
+    EngineCoreClient.make_async_mp_client = staticmethod(startup.relaying(EngineCoreClient.make_async_mp_client))
     InputProcessor.process_inputs = process_inputs_checked
     Scheduler.add_request = add_request_with_siblings
     Scheduler.finish_requests = finish_requests_with_siblings

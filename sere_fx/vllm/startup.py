@@ -11,7 +11,8 @@
 - What only a worker can tell (the MoE kernel, the router class) still fails in the worker,
   where vLLM would bury the message under its own "Engine core initialization failed". So the
   worker writes its message to a file the calling process named (``record``), and the calling
-  process raises it again once engine start failed (``raise_recorded``).
+  process raises it again once engine start failed (``relaying``, around vLLM's engine-core
+  client factories).
 - ``fail``: in vLLM's OpenAI server the message is printed as one line and the process exits with
   status 2, as the server exits on a bad argument; elsewhere (``LLM(...)``) it is raised, so it
   is the traceback's last line.
@@ -104,6 +105,29 @@ def take_recorded() -> str | None:
     except OSError:
         return None
     return message or None
+
+
+def relaying(make):
+    """``make`` (a factory that starts the engine core) such that a settings error a worker
+    recorded ends engine start as ``fail`` ends it, instead of vLLM's generic start-up error."""
+    import functools
+
+    @functools.wraps(make)
+    def make_and_relay(*args, **kwargs):
+        try:
+            client = make(*args, **kwargs)
+        except SettingsError as exc:  # an in-process engine core: the worker's own error
+            take_recorded()
+            fail(exc)
+        except Exception:
+            message = take_recorded()
+            if message is None:
+                raise
+            fail(SettingsError(message))
+        take_recorded()
+        return client
+
+    return make_and_relay
 
 
 def _serving_cli() -> bool:
