@@ -22,6 +22,18 @@ def speedup_verdict(speedup: float, limit: float) -> str:
     return f"the limit from experts read is {limit:.2f}x on the MoE layers alone"
 
 
+def speedup_reading(timing) -> str:
+    """Which figure to read. Each pair times both sides back to back, so the machine's drift cancels
+    in its ratio; the two medians above are taken over all samples of each side, and their ratio
+    is not the speed-up (on a busy machine it can be far from it)."""
+    s = timing.speedup
+    resolved = ("" if s.p10_s > 1.0 or s.p90_s < 1.0 else
+                "; the speed-up's [p10, p90] includes 1x: no difference resolved on this machine at this size")
+    ratio = timing.baseline.median_s / timing.policy.median_s
+    return (f"  read the speed-up line: the median of the {s.repeats} per-pair ratios baseline / SERE; the ratio of "
+            f"the two step medians ({ratio:.2f}x) mixes moments of the machine and is not a measurement{resolved}")
+
+
 def run(out_dir: str = "sere-demo", *, num_eval_seqs: int = 64, steps: int = 64, batch_size: int = 32,
         progress: bool = True) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,6 +86,7 @@ def run(out_dir: str = "sere-demo", *, num_eval_seqs: int = 64, steps: int = 64,
         f"speed-up {timing.fmt_speedup()} (per-pair ratios); {verdict} (the test-bed's experts are tiny, so "
         "attention, embeddings and Python overhead dominate a step here; see bench/ for MoE-layer timings at real "
         "sizes)",
+        speedup_reading(timing),
         "",
         f"files in {out_dir}/: {os.path.basename(paths['json'])}, {os.path.basename(paths['png'])} (retention vs experts), "
         "sim.safetensors, similarity/*.png (heat maps)",

@@ -217,6 +217,13 @@ def test_eval_checks_every_spec_and_option_before_any_decoding(tmp_path, capsys,
         (["eval", "--model", model, "--data", text, "--num-seqs", "4", "--batch-size", "4", "--policies", "oea:S=2",
           "oea:S=9"],
          "--policies: policy: 'oea:S=9': S: expected an integer in [1, 8] (top-k of model.layers.0.mlp), got 9"),
+        # EP ranks against each layer's experts: a rank with no expert is not a placement
+        (["eval", "--model", model, "--data", text, "--num-seqs", "4", "--batch-size", "4", "--policies", "oea:S=2",
+          "--ep-ranks", "100"],
+         "--ep-ranks: expected at most 64 EP ranks (layer 0's experts: each rank holds one or more), got 100"),
+        (["tune", "--model", model, "--sim", bare, "--data", text, "--num-seqs", "4", "--batch-size", "4",
+          "--ep-ranks", "65", "--out", tmp_path / "p.json"],
+         "--ep-ranks: expected at most 64 EP ranks (layer 0's experts: each rank holds one or more), got 65"),
     ]
     for argv, message in cases:
         rc, _, err = cli(capsys, *argv)
@@ -245,6 +252,17 @@ def test_eval_reports_the_busiest_expert_parallel_rank(tmp_path, capsys):
     assert (out / "pareto_ep.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_text_shorter_than_num_seqs_is_noted(tmp_path, capsys):
+    from sere_fx.resources import testbed_model, testbed_text
+
+    rc, _, err = cli(capsys, "eval", "--model", testbed_model(), "--data", testbed_text(), "--token-range", "0:700",
+                     "--num-seqs", "100000", "--steps", "2", "--prefill", "2", "--batch-size", "4", "--policies",
+                     "oea:S=2", "--out-dir", tmp_path / "out")
+    assert rc == 0, err
+    # 700 tokens hold 140 windows of 2 + 2 + 1 tokens; 140 is a whole number of batches of 4
+    assert f"note: {testbed_text()} gives 140 windows of 5 tokens (asked for --num-seqs 100000)" in err, err
+
+
 def test_demo_as_the_readme_runs_it(tmp_path, capsys, monkeypatch):
     import re
 
@@ -266,6 +284,10 @@ def test_demo_as_the_readme_runs_it(tmp_path, capsys, monkeypatch):
     speed, lo, hi = map(float, re.match(r"speed-up ([\d.]+)x \[([\d.]+), ([\d.]+)\] \(per-pair ratios\); ", line).groups())
     assert re.search(r"\(median \[p10, p90\] of 9, interleaved\)", out), "every repeat gives one pair"
     assert lo < hi and speed > 0
+    # the line after it says which figure to read, and whether the spread resolves a difference
+    reading = out.splitlines()[out.splitlines().index(line) + 1]
+    assert reading.startswith("  read the speed-up line: the median of the 9 per-pair ratios baseline / SERE; "), reading
+    assert ("includes 1x: no difference resolved" in reading) == (lo <= 1.0 <= hi)
     # the speed-up is always read against the limit the distinct experts allow
     limit = float(re.search(r"limit (?:from experts read is|of) ([\d.]+)x", line).group(1))
     assert abs(limit - base / sere) < 0.01
