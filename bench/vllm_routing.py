@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
     for name, plan in [("sere", SereConfig(S=args.S, rho=0.0)), ("oea", OEAConfig(S=args.S)),
                        ("topk", TopKConfig(S=args.S)), ("weight", WeightConfig(S=1, N=0.6))]:
         router = CPURouter(top_k=K, global_num_experts=E, renormalize=True)
-        install(router, LayerRouting(0, plan, RouterScores.of(router), sim, E, False))
+        install(router, LayerRouting(0, plan, RouterScores.of(router), sim, E, False, native_rows=engine.ENGINE.native))
         results[f"router+{name}"] = timed(lambda r=router: r._compute_routing(hidden, logits, None), args.repeats)
     weights, ids = plain._compute_routing(hidden, logits, None)
     rows, _ = torch.ops.sere.engine_rows(ids, E)

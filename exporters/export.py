@@ -152,7 +152,9 @@ def export(model: nn.Module, example_inputs, path: str | os.PathLike, format: st
         from sere_fx.exporters.tensorrt import export_tensorrt
 
         meta = json.dumps(settings, sort_keys=True)
-        return export_tensorrt(model, example_inputs, path, meta, max_batch=max_batch or 1024)
+        batch = max_batch or 1024
+        return export_tensorrt(model, _as_args(example_inputs), path, meta, SETTINGS_KEY,
+                               lambda m, args: exported_program(m, args, max_batch=batch), max_batch=batch)
     if cache is None:
         return _write(format, path, settings, lambda: exported_program(model, example_inputs,
                                                                        max_batch=max_batch or 1024), model)
@@ -188,7 +190,7 @@ def _write(format: str, path: str, settings: dict, program, model: nn.Module) ->
         with _experts_implementation(model, "batched_mm"), torch.no_grad():
             traced = program()
         ep, inputs, outputs = traced if isinstance(traced, tuple) else (traced, ["input_ids"], ["logits"])
-        return export_onnx(ep, path, json.dumps(settings, sort_keys=True), inputs, outputs)
+        return export_onnx(ep, path, json.dumps(settings, sort_keys=True), SETTINGS_KEY, inputs, outputs)
     with torch.no_grad():
         ep = program()
     meta = json.dumps(settings, sort_keys=True)

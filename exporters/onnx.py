@@ -21,7 +21,7 @@ def _complex_node(ep: torch.export.ExportedProgram):
     return None
 
 
-def export_onnx(ep: torch.export.ExportedProgram, path: str, meta: str, input_names=("input_ids",),
+def export_onnx(ep: torch.export.ExportedProgram, path: str, meta: str, key: str, input_names=("input_ids",),
                 output_names=("logits",)) -> str:
     import onnx
 
@@ -38,9 +38,7 @@ def export_onnx(ep: torch.export.ExportedProgram, path: str, meta: str, input_na
                                 input_names=list(input_names), output_names=list(output_names))
     program.save(path)
     model = onnx.load(path)
-    from sere_fx.exporters.export import SETTINGS_KEY
-
     entry = model.metadata_props.add()
-    entry.key, entry.value = SETTINGS_KEY, meta
+    entry.key, entry.value = key, meta
     onnx.save(model, path)
     return path

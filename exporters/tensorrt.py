@@ -23,24 +23,25 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def export_tensorrt(model, example_inputs, path: str, meta: str, *, max_batch: int) -> str:
+def export_tensorrt(model, args: tuple, path: str, meta: str, key: str, program, *, max_batch: int) -> str:
+    """``program(model, args)`` (the exporter's ExportedProgram) compiled by Torch-TensorRT on CUDA,
+    saved as TorchScript with ``meta`` (the settings' JSON) recorded under ``key``."""
     ok, why = available()
     if not ok:
         raise RuntimeError(why)
     import torch_tensorrt
 
-    from sere_fx.exporters.export import SETTINGS_KEY, _as_args, exported_program
     from sere_fx.ops import decompositions
 
-    args = tuple(a.cuda() for a in _as_args(example_inputs))
+    args = tuple(a.cuda() for a in args)
     model = model.cuda()
     with torch.no_grad():
-        ep = exported_program(model, args, max_batch=max_batch).run_decompositions(decompositions())
+        ep = program(model, args).run_decompositions(decompositions())
         inputs = [torch_tensorrt.Input(min_shape=(1, *a.shape[1:]), opt_shape=a.shape, max_shape=(max_batch, *a.shape[1:]),
                                        dtype=a.dtype) for a in args]
         trt = torch_tensorrt.dynamo.compile(ep, inputs=inputs)
         torch_tensorrt.save(trt, path, output_format="torchscript", inputs=list(args))
     # record the settings next to the TorchScript payload
     scripted = torch.jit.load(path)
-    torch.jit.save(scripted, path, _extra_files={SETTINGS_KEY: meta})
+    torch.jit.save(scripted, path, _extra_files={key: meta})
     return path

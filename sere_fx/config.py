@@ -16,7 +16,9 @@ the argument's name (a per-layer value adds ``[layer]`` to the message).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -391,8 +393,6 @@ def routing_spec(config=None, *, policy=None, S=None, rho=None, N=None, plan=Non
     if config is not None and plan is not None:
         raise argument_error("plan", "plan: give a config or a plan, not both; got both")
     if plan is not None:
-        from sere_fx.plan import load_plan
-
         return load_plan(plan)
     if config is None:
         config = keywords
@@ -479,4 +479,35 @@ def plan_for_layers(spec, layers, matrices: Mapping[int, torch.Tensor] | None = 
             if suffix.get(exc.arg):
                 raise exc.renamed(exc.arg, suffix=f"[{i}]") from None
             raise
+    return out
+
+
+def load_plan(plan) -> dict[int, RoutingConfig]:
+    """A plan from a JSON path, a dict as ``sere_fx.plan.save_plan`` writes it, or ``{layer: RoutingConfig}``;
+    every entry checked (an error names ``plan[<layer>]``)."""
+    path = None
+    if isinstance(plan, (str, os.PathLike)):
+        path = os.fspath(plan)
+        if not os.path.isfile(path):
+            raise argument_error("plan", f"plan: no plan file at {path!r}", FileNotFoundError)
+        try:
+            with open(path) as f:
+                plan = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise argument_error("plan", f"plan: {path!r} is not a plan file (JSON from `sere-fx tune`): {exc}") from None
+    if isinstance(plan, Mapping) and "layers" in plan:
+        plan = plan["layers"]
+    if not isinstance(plan, Mapping):
+        raise argument_error("plan", "plan: expected a path, a dict with 'layers' or {layer: RoutingConfig}, "
+                                     f"got {type(plan).__name__}", TypeError)
+    out = {}
+    for k, v in plan.items():
+        if not (isinstance(k, int) and not isinstance(k, bool)) and not (isinstance(k, str) and k.strip().isdigit()):
+            raise argument_error("plan", f"plan: expected decoder-layer indices as keys, got {k!r}")
+        if isinstance(v, Mapping):
+            v = from_dict(v, int(k))
+        if not isinstance(v, RoutingConfig):
+            raise argument_error("plan", f"plan[{k}]: expected a RoutingConfig or a dict, got {type(v).__name__}",
+                                 TypeError)
+        out[int(k)] = v
     return out

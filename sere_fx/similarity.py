@@ -44,12 +44,16 @@ class Similarity(Mapping):
         return f"Similarity(layers={shapes}, predictors={sorted(self.predictors)}, metadata={self.metadata})"
 
     def save(self, path: str | os.PathLike) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         tensors = {f"{prefix}.{k}": v.detach().to("cpu", torch.float32).contiguous()
                    for prefix, group in (("layer", self._matrices), ("predictor", self.predictors))
                    for k, v in group.items()}
-        save_file(tensors, os.fspath(path), metadata={_META_KEY: json.dumps(self.metadata, sort_keys=True)})
+        data = save(tensors, metadata={_META_KEY: json.dumps(self.metadata, sort_keys=True)})
+        # written with open(), so the file gets the user's umask like every other output (safetensors'
+        # save_file makes it 0600, which a server running as another user cannot read)
+        with open(os.fspath(path), "wb") as f:
+            f.write(data)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Similarity":

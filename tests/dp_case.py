@@ -47,6 +47,6 @@ def step(policy: str, requests, logits: torch.Tensor, sim: torch.Tensor, reduce=
 
     router = CPURouter(top_k=K, global_num_experts=E, renormalize=True)
     weights, ids = router._compute_routing(torch.zeros(logits.shape[0], H), logits, None)
-    routing = LayerRouting(0, PLANS[policy], RouterScores.of(router), sim, E, False, reduce)
+    routing = LayerRouting(0, PLANS[policy], RouterScores.of(router), sim, E, False, reduce, native_rows=state.native)
     new_weights, new_ids = routing(logits, weights, ids)
     return new_weights, new_ids, ids

@@ -58,3 +58,46 @@ def test_subpackages_are_attributes_without_an_explicit_import():
     code = "import sere_fx; print(sere_fx.calibration.METHODS, sere_fx.exporters.FORMATS)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "frobenius" in out and "onnx" in out
+
+
+def _imports_between_modules() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports anywhere in its code
+    (module level or inside a function: a lazy import still ties the two modules together)."""
+    import ast
+
+    modules = {}
+    for package, folder in _source_packages().items():
+        for file in os.listdir(folder):
+            if file.endswith(".py"):
+                modules[package if file == "__init__.py" else f"{package}.{file[:-3]}"] = os.path.join(folder, file)
+    graph = {}
+    for name, path in modules.items():
+        seen = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                seen |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                         for a in node.names}
+            elif isinstance(node, ast.Import):
+                seen |= {a.name for a in node.names}
+        graph[name] = {m for m in seen if m in modules and m != name}
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    graph = _imports_between_modules()
+    assert graph["sere_fx.vllm.engine"] and graph["sere_fx.config"] is not None  # the walk found the modules
+
+    def cycle_from(start):  # depth-first: a path back to start, or None
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    return path + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    cycles = [c for c in map(cycle_from, sorted(graph)) if c is not None]
+    assert not cycles, f"import cycles: {[' -> '.join(c) for c in cycles]}"

@@ -93,3 +93,19 @@ def test_similarity_file_with_foreign_keys(tmp_path):
     save_file({"weights": torch.rand(2, 2)}, str(tmp_path / "x.safetensors"))
     with pytest.raises(ValueError, match=r"has tensor 'weights'; expected keys 'layer.<decoder layer index>'"):
         Similarity.load(tmp_path / "x.safetensors")
+
+
+def test_similarity_files_get_the_users_umask(setup, tmp_path):
+    # every other output is 0644 under the usual umask; a server running as another user reads the file
+    import os
+
+    old = os.umask(0o022)
+    try:
+        Similarity(setup[2]).save(tmp_path / "sim.safetensors")
+        os.umask(0o077)
+        Similarity(setup[2]).save(tmp_path / "private.safetensors")
+    finally:
+        os.umask(old)
+    assert oct(os.stat(tmp_path / "sim.safetensors").st_mode & 0o777) == oct(0o644)
+    assert oct(os.stat(tmp_path / "private.safetensors").st_mode & 0o777) == oct(0o600)
+    assert sorted(Similarity.load(tmp_path / "sim.safetensors")) == sorted(setup[2])

@@ -186,7 +186,7 @@ def routed(kind, plan, stats=False, layer=0):
     own = make_router(kind)._compute_routing(torch.zeros(T, H), x, None)
     router = make_router(kind)
     tensor = predictor() if plan.needs_predictor else similarity()  # the layer's calibrated tensor
-    routing = LayerRouting(layer, plan, RouterScores.of(router), tensor, E, stats)
+    routing = LayerRouting(layer, plan, RouterScores.of(router), tensor, E, stats, native_rows=engine.ENGINE.native)
     install(router, routing)
     return x, own, router.select_experts(torch.zeros(T, H), x)
 

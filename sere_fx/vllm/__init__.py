@@ -13,6 +13,7 @@ that ``sere_fx.vllm.engine`` marks each step.
 from __future__ import annotations
 
 from sere_fx.errors import ArgumentValueError
+from sere_fx.vllm.log import logger as _logger
 
 _REGISTERED = False
 # The vLLM releases whose internals the hooks below are written against (the ``vllm`` and
@@ -20,12 +21,6 @@ _REGISTERED = False
 SUPPORTED_VLLM = ">=0.32,<0.33"
 
 
-def _logger():
-    # under "vllm." so that vLLM's log settings apply; plain logging, so that it works even
-    # where vLLM itself cannot be imported
-    import logging
-
-    return logging.getLogger("vllm.sere_fx")
 
 
 def _vllm_version() -> str:

@@ -34,7 +34,7 @@ from sere_fx.kernels import reroute_cpu
 from sere_fx.ops import free_experts, primary_mask, reroute_kernel
 from sere_fx.placement import Placement
 from sere_fx.policies import TOPK_POLICIES
-from sere_fx.vllm import _logger
+from sere_fx.vllm.log import logger as _logger
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install, predictor_refusal
 from sere_fx.vllm.settings import (REQUEST_KEY, WHERE, EngineLayer, SettingsError, parse, request_reroutes, resolve_layers,
                                    to_device)
@@ -419,7 +419,7 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
         if plan.S >= layer.top_k:
             continue  # S = K leaves this layer's routing as it is
         routing = LayerRouting(layer.index, plan, scores, matrices.get(layer.index), layer.num_experts, settings.stats,
-                               reduce)
+                               reduce, native_rows=ENGINE.native)
         install(runner_.router, routing)
         installed[layer.index] = routing
         if settings.stats:

@@ -62,7 +62,7 @@ def prepare(vllm_config) -> None:
         directory = tempfile.mkdtemp(prefix="sere-fx-metrics-")
         os.environ[ENV_DIR] = directory
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from sere_fx.vllm import _logger
+        from sere_fx.vllm.log import logger as _logger
 
         _logger().warning("sere-fx: /metrics is served from several API server processes here "
                           "(PROMETHEUS_MULTIPROC_DIR is set), which do not show sere-fx's statistics; read them "

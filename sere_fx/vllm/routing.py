@@ -116,12 +116,15 @@ class LayerRouting:
     """The policy of one MoE layer, applied to its router's output (see module doc)."""
 
     def __init__(self, layer: int, plan: RoutingConfig, scores: RouterScores, similarity: torch.Tensor | None,
-                 num_experts: int, stats: bool, reduce=None):
+                 num_experts: int, stats: bool, reduce=None, native_rows: bool = False):
         """``similarity``: the layer's calibrated tensor (``sere_fx.similarity.layer_tensors``): its
         similarity matrix, or ``output``'s predictor. ``reduce``: a sum all-reduce over the data-parallel group (``dp_loaded_set``): the ranks
-        agree on one primary / loaded set per layer call (``sere_fx.policies``)."""
+        agree on one primary / loaded set per layer call (``sere_fx.policies``). ``native_rows``: the
+        engine's row buffers are bound to the native CPU ops (``engine.ENGINE.native``, known once the
+        buffers are allocated), so those ops are called."""
         self.layer = layer
         self.reduce = reduce
+        self.native_rows = native_rows
         # weight's per-rank budget (expert parallelism): each expert's rank
         self.owner = None if getattr(plan, "rank_budget", None) is None else plan.placement.owner(num_experts)
         self.num_experts = num_experts
@@ -150,8 +153,7 @@ class LayerRouting:
         elif plan.policy == "sere":
             # The hot path: one opaque op, which looks this step's rows up itself; on the CPU a
             # native one, called from vLLM's compiled graph without a Python frame.
-            if (self.native is not None and _engine().ENGINE.native
-                    and reroute_cpu.fits(self.num_experts, ids.shape[1])):
+            if self.native is not None and self.native_rows and reroute_cpu.fits(self.num_experts, ids.shape[1]):
                 new_ids = torch.ops.sere_native.engine_reroute(ids, *self.native, plan.S, plan.rho, rank)
             else:
                 new_ids = torch.ops.sere.engine_reroute(ids, self.similarity, plan.S, plan.rho, rank)
@@ -172,7 +174,7 @@ class LayerRouting:
 
     def _engine_rows(self, ids):
         # the native op in a CPU engine (vLLM's graph calls it without a Python frame), else the Python one
-        if _engine().ENGINE.native:
+        if self.native_rows:
             return torch.ops.sere_native.engine_rows(ids, self.num_experts)
         return torch.ops.sere.engine_rows(ids, self.num_experts)
 
@@ -196,12 +198,6 @@ class LayerRouting:
         keep = rows.unsqueeze(1)
         recomputed = self.scores.weights(router_logits, chosen, values != neutral, probs).to(weights.dtype)
         return torch.where(keep, recomputed, weights), torch.where(keep, chosen.to(ids.dtype), ids)
-
-
-def _engine():
-    from sere_fx.vllm import engine  # imported here: engine imports this module
-
-    return engine
 
 
 _SUBCLASSES: dict[type, type] = {}

@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 
-from sere_fx.vllm import _logger
+from sere_fx.vllm.log import logger as _logger
 from sere_fx.vllm.settings import WHERE, EngineLayer, EngineSettings, SettingsError, resolve_layers
 
 # the file a worker writes its settings error to (set by the calling process, inherited by the
