@@ -11,17 +11,73 @@ class CliError(Exception):
     """A user mistake, reported as one line: the argument, what was expected, what was given."""
 
 
-def _load_model(path: str, dtype: str = "float32"):
-    _load_model_dir_checks(path)
+def _load_model(args):
+    """``--model`` with ``--dtype``, on ``--device`` or spread by ``--device-map`` (``args.placement``:
+    checked by ``_model_placement`` before the command starts)."""
+    _load_model_dir_checks(args.model)
+    device, device_map = args.placement
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    where = {} if device == "cpu" and device_map is None else {"device_map": device_map or device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **where).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except torch.OutOfMemoryError as exc:
+        option = "--device-map" if device_map else "--device"
+        raise CliError(f"{option}: expected a placement the model fits in, got {device_map or device!r} (out of memory: "
+                       f"{_first_line(exc)}); try --dtype bfloat16 or --device-map auto") from exc
     except (OSError, ValueError, KeyError) as exc:
-        raise CliError(f"--model: cannot load {path!r} as a causal LM with its tokenizer ({_first_line(exc)})") from exc
+        raise CliError(f"--model: cannot load {args.model!r} as a causal LM with its tokenizer ({_first_line(exc)})") from exc
     return model, tokenizer
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _model_placement(args) -> tuple[str, str | None]:
+    """``(device, device_map)`` from ``--device`` / ``--device-map``, checked before the model loads.
+    ``--device`` defaults to CUDA where there is one, else the CPU."""
+    import torch
+
+    device_map = getattr(args, "device_map", None)
+    if device_map is not None:
+        if args.device is not None:
+            raise CliError(f"--device-map: places the model itself; expected no --device beside it, got "
+                           f"--device {args.device}")
+        try:
+            import accelerate  # noqa: F401  (transformers' device maps need it)
+        except ImportError:
+            raise CliError(f"--device-map: needs the accelerate package (pip install 'sere-fx[scale]'), got "
+                           f"{device_map!r} without it") from None
+        return "cpu", device_map
+    text = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise CliError(f"--device: expected 'cpu', 'cuda' or 'cuda:N', got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise CliError(f"--device: expected 'cpu', 'cuda' or 'cuda:N', got {text!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise CliError(f"--device: expected 'cpu' on this machine (no CUDA device), got {text!r}")
+        if device.index is not None and device.index >= count:
+            raise CliError(f"--device: expected one of cuda:0..cuda:{count - 1} ({count} CUDA devices), got {text!r}")
+    return str(device), None
+
+
+def _model_args(p, device_map: bool = True) -> None:
+    """``--dtype``, ``--device`` and (not for artifacts, which trace one device) ``--device-map``."""
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' dtype: auto is the checkpoint's own (default float32)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)")
+    if device_map:
+        p.add_argument("--device-map", default=None, choices=DEVICE_MAPS,
+                       help="spread the model over the GPUs and the CPU with accelerate (transformers' device_map); "
+                            "instead of --device")
 
 
 def _load_model_dir_checks(path: str) -> None:
@@ -80,7 +136,7 @@ def cmd_calibrate(args) -> int:
     if (failed := _output_dir_missing("calibrate", args.out)) is not None:
         return failed
     _check_data(args)
-    model, tokenizer = _load_model(args.model, args.dtype)
+    model, tokenizer = _load_model(args)
     windows = _windows(args, tokenizer, args.seq_len)
     total = -(-windows.shape[0] // args.batch_size)
     sim = calibrate(
@@ -226,7 +282,7 @@ def cmd_eval(args) -> int:
     if needing is not None and args.sim is None:
         return _error("eval", f"--sim: policy {needing[0].label!r} {needing[1]}, got None")
     sim = _load_sim(args.sim)
-    model, tokenizer = _load_model(args.model, args.dtype)
+    model, tokenizer = _load_model(args)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     if windows.shape[0] < args.batch_size:
         return _error("eval", f"--batch-size: expected at most the {windows.shape[0]} sequences {args.data} gives, "
@@ -264,7 +320,7 @@ def cmd_tune(args) -> int:
                        f"{args.num_seqs}], got {args.probe_sequences}")
     _check_data(args)
     sim = _load_sim(args.sim)
-    model, tokenizer = _load_model(args.model, args.dtype)
+    model, tokenizer = _load_model(args)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     result = tune(model, sim, windows, max_loss=args.max_loss, max_experts=args.max_experts, metric=args.metric,
                   batch_size=args.batch_size, prefill=args.prefill, max_tokens=args.max_tokens, placement=placement,
@@ -329,12 +385,13 @@ def cmd_export(args) -> int:
             raise CliError(f"--max-batch: a --cache static artifact decodes exactly --batch sequences, got "
                            f"--max-batch {args.max_batch}")
     sim = _load_sim(args.sim)
-    model, _ = _load_model(args.model, args.dtype)
+    model, _ = _load_model(args)
     if args.experts_implementation:
         model.set_experts_implementation(args.experts_implementation)
     if transformed:
         sere_fx.transform(model, sim, routing, max_tokens=args.max_tokens)
-    example = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
+    example = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len),
+                            generator=torch.Generator().manual_seed(0)).to(model.device)
     path = export(model, example, args.out, format=args.format, max_batch=args.max_batch, cache=args.cache,
                   max_cache_len=args.max_cache_len)
     what = model.sere_settings.as_dict() if sere_fx.is_transformed(model) else "untransformed"
@@ -421,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frobenius (default) and cosine stream over all tokens with O(E^2) memory; "
                         f"cka uses a uniform sample of --cka-sample tokens per layer (default {DEFAULT_CKA_SAMPLE})")
     c.add_argument("--cka-sample", type=int, default=DEFAULT_CKA_SAMPLE)
-    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _model_args(c)
     c.add_argument("--out", required=True, help="output .safetensors file")
     c.set_defaults(func=cmd_calibrate)
 
@@ -442,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "experts read and token-slots), next to the totals")
     e.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),
                    help="also print a paired comparison of policy B against policy A (repeatable)")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _model_args(e)
     e.add_argument("--out-dir", default="sere-eval", help="where eval.json and pareto.png go (default sere-eval/)")
     e.set_defaults(func=cmd_eval)
 
@@ -468,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "are still checked on all (default: all)")
     t.add_argument("--steps", type=int, default=96)
     t.add_argument("--max-tokens", type=_max_tokens, default=None, help="passed to transform (default None)")
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _model_args(t)
     t.add_argument("--out", required=True, help="plan .json to write")
     t.set_defaults(func=cmd_tune)
 
@@ -501,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--format tensorrt)")
     x.add_argument("--experts-implementation", choices=["grouped_mm", "batched_mm"], default="grouped_mm",
                    help="transformers experts implementation to export (default grouped_mm; onnx uses batched_mm)")
-    x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _model_args(x, device_map=False)
     x.add_argument("--out", required=True)
     x.set_defaults(func=cmd_export)
 
@@ -560,6 +617,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "device"):  # where the model goes is checked with the first options
+            args.placement = _model_placement(args)
         return args.func(args)
     except BrokenPipeError:
         # The reader went away (`sere-fx inspect ... | head`): stop quietly, as Unix tools do.

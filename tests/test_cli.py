@@ -140,11 +140,27 @@ def test_every_mistake_is_one_line_naming_the_argument(tmp_path, capsys):
          "sere-fx export: error: --sim: policy 'sere' needs a similarity file (without one the model is exported "
          "untransformed, and the routing options would be ignored), got none"),
     ]
+    if not torch.cuda.is_available():  # the accelerator options on a machine without one
+        cases += [
+            ([command, "--model", model, *extra, "--device", "cuda"],
+             f"sere-fx {command}: error: --device: expected 'cpu' on this machine (no CUDA device), got 'cuda'")
+            for command, extra in [("calibrate", ["--data", text, "--out", out]), ("eval", ["--data", text]),
+                                   ("tune", ["--data", text, "--sim", real, "--out", out]),
+                                   ("export", ["--format", "pt2", "--out", out])]]
+    cases += [
+        (["calibrate", "--model", model, "--data", text, "--out", out, "--device", "tpu"],
+         "sere-fx calibrate: error: --device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+        (["eval", "--model", model, "--data", text, "--device", "cpu", "--device-map", "auto"],
+         "sere-fx eval: error: --device-map: places the model itself; expected no --device beside it, got --device cpu"),
+    ]
     for argv, message in cases:
         rc, stdout, err = cli(capsys, *argv)
         lines = [line for line in err.splitlines() if line.startswith("sere-fx")]
         assert rc == 2 and "Traceback" not in err and len(lines) == 1 and lines[0].startswith(message), (argv, err)
         assert not out.exists(), argv  # nothing partial written
+    # export traces one device: no device map
+    rc, _, err = cli(capsys, "export", "--model", model, "--format", "pt2", "--out", out, "--device-map", "auto")
+    assert rc == 2 and "unrecognized arguments: --device-map auto" in err
     # the topk export works once told to re-route every call
     rc, stdout, err = cli(capsys, "export", "--model", model, "--policy", "topk", "--format", "pt2", "--out", out,
                           "--max-tokens", "none")
@@ -250,6 +266,30 @@ def test_eval_reports_the_busiest_expert_parallel_rank(tmp_path, capsys):
     assert results["weight:S=1,Nrank=0.5"]["max_rank_distinct"] <= 8
     assert results["baseline"]["max_rank_distinct"] > 8  # batch 8 x top-8: the cap binds
     assert (out / "pareto_ep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dtype_auto_and_device_map_on_the_cpu(tmp_path, capsys):
+    """``--dtype auto`` loads the checkpoint's bf16; ``--device-map auto`` (accelerate) places the
+    whole model on the CPU here, and computes what the plain load computes."""
+    from sere_fx.resources import testbed_model, testbed_text
+
+    common = ["calibrate", "--model", testbed_model(), "--data", testbed_text(), "--num-seqs", "8", "--seq-len", "32",
+              "--batch-size", "8"]
+    files = {}
+    for name, extra in [("plain", []), ("cpu", ["--device", "cpu"]), ("map", ["--device-map", "auto"]),
+                        ("auto", ["--dtype", "auto"])]:
+        files[name] = tmp_path / f"{name}.safetensors"
+        rc, _, err = cli(capsys, *common, *extra, "--out", files[name])
+        assert rc == 0, (name, err)
+    sims = {name: Similarity.load(path) for name, path in files.items()}
+    for layer in range(4):
+        plain = sims["plain"][layer]
+        assert torch.equal(sims["cpu"][layer], plain) and torch.allclose(sims["map"][layer], plain, atol=1e-6)
+        # bf16 expert outputs: close, not equal (each expert's ranking of the others is what routing reads)
+        auto = sims["auto"][layer]
+        assert not torch.equal(auto, plain) and (auto - plain).abs().max() < 0.02
+        ranks = lambda m: m.argsort(dim=1, descending=True)[:, :4]  # noqa: E731
+        assert (ranks(auto) == ranks(plain)).float().mean() > 0.8
 
 
 def test_a_text_shorter_than_num_seqs_is_noted(tmp_path, capsys):
