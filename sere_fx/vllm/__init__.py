@@ -199,6 +199,20 @@ def _install_hooks() -> None:
     ForwardContext.__post_init__ = post_init_with_rows
     WorkerBase.sere_routing_stats = engine.worker_stats
     WorkerBase.sere_reset_routing_stats = engine.reset_worker_stats
+    WorkerBase.sere_calibration_start = _calibration_start
+    WorkerBase.sere_calibration_finish = _calibration_finish
+
+
+def _calibration_start(worker, *args):
+    from sere_fx.calibration.engine import worker_start  # only where calibration runs
+
+    return worker_start(worker, *args)
+
+
+def _calibration_finish(worker):
+    from sere_fx.calibration.engine import worker_finish
+
+    return worker_finish(worker)
 
 
 def _validation_error(message: str) -> Exception:
