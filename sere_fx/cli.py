@@ -123,12 +123,13 @@ def _engine_kwargs(args) -> dict | None:
     return given
 
 
-def _start_engine(args, kwargs: dict):
-    """A vLLM engine for calibration: eager (the hooks see every layer call), no prefix caching
-    (every prompt token computed)."""
+def _start_engine(args, kwargs: dict, max_model_len: int):
+    """A vLLM engine for calibration or evaluation: eager (calibration's hooks see every layer
+    call; evaluation switches policies between passes), no prefix caching (every prompt token
+    computed)."""
     from vllm import LLM
 
-    kwargs = {"max_model_len": args.seq_len + 1, "seed": 0, **kwargs}
+    kwargs = {"max_model_len": max_model_len, "seed": 0, **kwargs}
     return LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False, **kwargs)
 
 
@@ -208,7 +209,7 @@ def cmd_calibrate(args) -> int:
         _load_model_dir_checks(args.model)
         windows = _windows(args, AutoTokenizer.from_pretrained(args.model), args.seq_len)
         extra["num_seqs"] = int(windows.shape[0])
-        llm = _start_engine(args, engine_kwargs)
+        llm = _start_engine(args, engine_kwargs, max_model_len=args.seq_len + 1)
         sim = calibrate_engine(llm, windows, args.method, cka_sample=args.cka_sample, extra_metadata=extra)
     else:
         model, tokenizer = _load_model(args)
@@ -351,14 +352,36 @@ def cmd_eval(args) -> int:
     if needing is not None and args.sim is None:
         return _error("eval", f"--sim: policy {needing[0].label!r} {needing[1]}, got None")
     sim = _load_sim(args.sim)
-    model, tokenizer = _load_model(args)
+    engine_kwargs = _engine_kwargs(args)
+    if engine_kwargs is not None and args.max_tokens is not None:
+        raise CliError(f"--max-tokens: the engine tells prompt rows from decode rows itself; expected none with "
+                       f"--engine vllm, got {args.max_tokens}")
+    if engine_kwargs is not None and placement is not None:
+        raise CliError(f"--ep-ranks: the engine counts its own expert-parallel ranks; expected none with --engine "
+                       f"vllm, got {args.ep_ranks}")
+    if engine_kwargs is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    else:
+        model, tokenizer = _load_model(args)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     if windows.shape[0] < args.batch_size:
         return _error("eval", f"--batch-size: expected at most the {windows.shape[0]} sequences {args.data} gives, "
                               f"got {args.batch_size}")
     try:
-        report = evaluate(model, windows, args.policies, sim, batch_size=args.batch_size, prefill=args.prefill,
-                          max_tokens=args.max_tokens, placement=placement)
+        if engine_kwargs is not None:
+            from sere_fx.vllm.evaluate import LOGITS_PROCESSOR, evaluate_engine
+
+            engine_kwargs = {"max_num_seqs": args.batch_size,
+                             "max_num_batched_tokens": max(args.batch_size * args.prefill, args.prefill + args.steps + 1),
+                             "logits_processors": [LOGITS_PROCESSOR], **engine_kwargs}
+            llm = _start_engine(args, engine_kwargs, max_model_len=args.prefill + args.steps + 1)
+            report = evaluate_engine(llm, windows, args.policies, args.sim, batch_size=args.batch_size,
+                                     prefill=args.prefill)
+        else:
+            report = evaluate(model, windows, args.policies, sim, batch_size=args.batch_size, prefill=args.prefill,
+                              max_tokens=args.max_tokens, placement=placement)
     except ArgumentError as exc:
         if exc.arg == "policy":  # a spec the model refuses (S above a layer's top-k), before the baseline pass
             return _error("eval", f"--policies: {exc}")
@@ -570,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),
                    help="also print a paired comparison of policy B against policy A (repeatable)")
     _model_args(e)
+    _engine_args(e)
     e.add_argument("--out-dir", default="sere-eval", help="where eval.json and pareto.png go (default sere-eval/)")
     e.set_defaults(func=cmd_eval)
 

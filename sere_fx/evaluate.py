@@ -456,6 +456,18 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
                            settings))
         finally:
             restore(model)
+    config = {"batch_size": batch_size, "prefill": prefill, "sequences": int(windows.shape[0]),
+              "dropped_sequences": dropped,
+              "window": int(windows.shape[1]), "scored_tokens": int(baseline.tokens.sum()), "max_tokens": max_tokens}
+    if placement is not None:
+        config["ep"] = {"ranks": placement.ranks, "strategy": placement.strategy}
+    return build_report(scored, config, placement)
+
+
+def build_report(scored, config: dict, placement: Placement | None = None) -> EvalReport:
+    """The report of ``scored`` (``[(label, DecodeScores, settings)]``, the baseline first), each
+    against the baseline with paired intervals (the transformers and the vLLM evaluations both)."""
+    baseline = scored[0][1]
     results = []
     for label, s, settings in scored:
         ci = paired_bootstrap(baseline, s)
@@ -469,9 +481,4 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
                 slots=float(np.mean(list(s.slots.values()))),
                 max_rank_distinct_per_layer={str(k): v for k, v in s.rank_distinct.items()})),
         ))
-    config = {"batch_size": batch_size, "prefill": prefill, "sequences": int(windows.shape[0]),
-              "dropped_sequences": dropped,
-              "window": int(windows.shape[1]), "scored_tokens": int(baseline.tokens.sum()), "max_tokens": max_tokens}
-    if placement is not None:
-        config["ep"] = {"ranks": placement.ranks, "strategy": placement.strategy}
     return EvalReport(results, config, {label: s for label, s, _ in scored})

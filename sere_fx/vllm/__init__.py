@@ -199,6 +199,7 @@ def _install_hooks() -> None:
     ForwardContext.__post_init__ = post_init_with_rows
     WorkerBase.sere_routing_stats = engine.worker_stats
     WorkerBase.sere_reset_routing_stats = engine.reset_worker_stats
+    WorkerBase.sere_switch_routing = engine.switch_routing
     WorkerBase.sere_calibration_start = _calibration_start
     WorkerBase.sere_calibration_finish = _calibration_finish
 

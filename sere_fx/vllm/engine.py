@@ -35,7 +35,7 @@ from sere_fx.ops import free_experts, primary_mask, reroute_kernel
 from sere_fx.placement import Placement
 from sere_fx.policies import TOPK_POLICIES
 from sere_fx.vllm.log import logger as _logger
-from sere_fx.vllm.routing import LayerRouting, RouterScores, install, predictor_refusal
+from sere_fx.vllm.routing import LayerRouting, RouterScores, install, predictor_refusal, uninstall
 from sere_fx.vllm.settings import (REQUEST_KEY, WHERE, EngineLayer, SettingsError, parse, request_reroutes, resolve_layers,
                                    to_device)
 
@@ -416,8 +416,9 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
         if scores.bias is not None and scores.scoring_func is None:
             raise SettingsError(f"{WHERE}: layer {layer.index} ({scores.router}) ranks experts by a biased score "
                                 f"sere-fx cannot recompute ({scores.unsupported})")
-        if plan.S >= layer.top_k:
-            continue  # S = K leaves this layer's routing as it is
+        if plan.S >= layer.top_k and not settings.stats:
+            uninstall(runner_.router)  # S = K leaves this layer's routing as it is (with stats: counted)
+            continue
         routing = LayerRouting(layer.index, plan, scores, matrices.get(layer.index), layer.num_experts, settings.stats,
                                reduce, native_rows=ENGINE.native)
         install(runner_.router, routing)
@@ -436,6 +437,18 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
                    settings.spec_decode if speculative is not None else "n/a", settings.stats,
                    f"; draft model ({speculative.method}) left alone" if speculative is not None else "")
     return installed
+
+
+def switch_routing(worker, raw) -> None:
+    """Between passes of an eager engine (``sere_fx.vllm.evaluate``): route every MoE layer by
+    ``raw`` (``additional_config["sere"]``'s form), or by the model's own routing for None."""
+    model = worker.model_runner.get_model()
+    if raw is not None:
+        attach(model, worker.vllm_config, raw, worker.model_runner)
+        return
+    for runner in _moe_runners(model):
+        uninstall(runner.router)
+    ENGINE.layers, ENGINE.stats, ENGINE.rank_stats = {}, {}, {}
 
 
 def worker_stats(worker=None) -> dict[int, dict[str, float]]:

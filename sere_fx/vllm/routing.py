@@ -142,6 +142,11 @@ class LayerRouting:
 
     def __call__(self, router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         plan = self.plan
+        if plan.S >= ids.shape[1]:  # S = K: the model's own routing, only counted (installed with stats)
+            if not self.stats:
+                return weights, ids
+            rows, _ = self._engine_rows(ids)
+            return weights, torch.ops.sere.record_routing(ids, ids, weights, rows, self.layer, plan.S, self.num_experts)
         if self.rank_by_weight:
             rank = weights
         else:  # padding rows may hold id -1: gather within range (those rows are never re-routed)
@@ -213,6 +218,14 @@ def _routing_subclass(cls: type) -> type:
         _SUBCLASSES[cls] = type(f"Sere{cls.__name__}", (cls,), {"_compute_routing": _compute_routing,
                                                                  "_sere_base": cls, "__module__": __name__})
     return _SUBCLASSES[cls]
+
+
+def uninstall(router) -> None:
+    """Give ``router`` back its own class (no-op for a router never installed)."""
+    base = getattr(type(router), "_sere_base", None)
+    if base is not None:
+        router.__class__ = base
+        del router.sere_routing
 
 
 def install(router, routing: LayerRouting) -> None:
