@@ -412,17 +412,40 @@ def cmd_tune(args) -> int:
                        f"{args.num_seqs}], got {args.probe_sequences}")
     _check_data(args)
     sim = _load_sim(args.sim)
-    model, tokenizer = _load_model(args)
-    windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
+    engine_kwargs = _engine_kwargs(args)
+    scorer, model = None, None
+    if engine_kwargs is not None:
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        from sere_fx.vllm.evaluate import LOGITS_PROCESSOR, EngineScorer
+
+        if placement is not None or args.max_tokens is not None:
+            option, value = ("--ep-ranks", args.ep_ranks) if placement is not None else ("--max-tokens", args.max_tokens)
+            raise CliError(f"{option}: not used with --engine vllm (the engine tells prompt rows from decode rows "
+                           f"and counts its own ranks), got {value}")
+        _load_model_dir_checks(args.model)
+        windows = _windows(args, AutoTokenizer.from_pretrained(args.model), args.prefill + args.steps + 1)
+        engine_kwargs = {"max_num_seqs": args.batch_size,
+                         "max_num_batched_tokens": max(args.batch_size * args.prefill, args.prefill + args.steps + 1),
+                         "logits_processors": [LOGITS_PROCESSOR], **engine_kwargs}
+        llm = _start_engine(args, engine_kwargs, max_model_len=args.prefill + args.steps + 1)
+        scratch = tempfile.mkdtemp(prefix="sere-fx-tune-")
+        scorer = EngineScorer(llm, os.path.abspath(args.sim), scratch, batch_size=args.batch_size,
+                              prefill=args.prefill, windows=windows)
+    else:
+        model, tokenizer = _load_model(args)
+        windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     result = tune(model, sim, windows, max_loss=args.max_loss, max_experts=args.max_experts, metric=args.metric,
                   batch_size=args.batch_size, prefill=args.prefill, max_tokens=args.max_tokens, placement=placement,
-                  probe_sequences=args.probe_sequences)
+                  probe_sequences=args.probe_sequences, scorer=scorer)
     print(result.summary())
     save_plan(args.out, result.plan, tuned={"metric": result.metric, "max_loss": result.max_loss,
                                             "max_experts": result.max_experts, "loss": result.loss,
                                             "distinct": result.distinct, "baseline_distinct": result.baseline_distinct,
                                             "data": str(args.data), "token_range": args.token_range,
-                                            "sequences": int(windows.shape[0]),
+                                            "sequences": int(windows.shape[0]), "engine": args.engine,
                                             "ep": None if placement is None else {"ranks": placement.ranks,
                                                                                   "strategy": placement.strategy}})
     print(f"wrote {args.out}; use it with sere_fx.transform(model, sim, plan={args.out!r}) or --policies plan:{args.out}")
@@ -620,6 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=96)
     t.add_argument("--max-tokens", type=_max_tokens, default=None, help="passed to transform (default None)")
     _model_args(t)
+    _engine_args(t)
     t.add_argument("--out", required=True, help="plan .json to write")
     t.set_defaults(func=cmd_tune)
 

@@ -188,10 +188,30 @@ def _uniform_plans(jobs, layers) -> list[dict[int, RoutingConfig]]:
     return [{i: per_layer[i][j] for i in per_layer} for j in range(counts.pop())]
 
 
+class ModelScorer:
+    """Scores plans on a transformers model: ``transform`` with the plan, teacher-forced decode."""
+
+    def __init__(self, model: nn.Module, sim, *, batch_size: int, prefill: int, max_tokens: int | None,
+                 placement: Placement | None):
+        self.model, self.sim, self.max_tokens = model, sim, max_tokens
+        self.layers = find_moe_layers(model)
+        self.kw = dict(batch_size=batch_size, prefill=prefill, progress=False, placement=placement)
+
+    def __call__(self, plan: dict[int, RoutingConfig] | None, windows: torch.Tensor) -> DecodeScores:
+        """``plan`` on every layer (None: the model's own routing), scored on ``windows``."""
+        if plan is None:
+            return decode_scores(self.model, windows, **self.kw)
+        transform(self.model, self.sim, plan=plan, max_tokens=self.max_tokens)
+        try:
+            return decode_scores(self.model, windows, **self.kw)
+        finally:
+            restore(self.model)
+
+
 def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None = None,
          max_experts: float | None = None, metric: str = "nll", candidates=None, batch_size: int = 32,
          prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True,
-         placement: Placement | None = None, probe_sequences: int | None = None) -> TuneResult:
+         placement: Placement | None = None, probe_sequences: int | None = None, scorer=None) -> TuneResult:
     """Per-layer (policy, S, rho) for ``model`` on tuning ``windows``; see the module doc.
 
     Two budgets, give one: ``max_loss`` (default 0.02 when neither is given): the fewest experts
@@ -207,6 +227,9 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     ``probe_sequences``: run the per-layer probes (step 1, most of the passes) on the first this
     many windows only, against a baseline of the same windows; uniform plans and whole-plan checks
     still run on all of them (None: probes on all).
+    ``scorer``: how a plan is scored (``ModelScorer`` on ``model`` by default; the vLLM engine's is
+    ``sere_fx.vllm.evaluate.EngineScorer``, with ``model`` None): ``scorer(plan or None, windows)``
+    gives ``DecodeScores``, ``scorer.layers`` the MoE layers.
     """
     if metric not in METRICS:
         raise ArgumentValueError("metric", f"metric: expected one of {list(METRICS)}, got {metric!r}")
@@ -226,12 +249,14 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
                                         or not batch_size <= probe_sequences <= n):
         raise ArgumentValueError("probe_sequences", f"probe_sequences: expected an int in [{batch_size}, {n}] (at "
                                                     f"least one batch, at most the windows), got {probe_sequences!r}")
-    layers = find_moe_layers(model)
-    check_layers(placement, layers)
     sim = as_similarity(sim)
+    if scorer is None:
+        scorer = ModelScorer(model, sim, batch_size=batch_size, prefill=prefill, max_tokens=max_tokens,
+                             placement=placement)
+    layers = scorer.layers
+    check_layers(placement, layers)
     matrices = resolve(sim, layers)
-    kw = dict(batch_size=batch_size, prefill=prefill, progress=False, placement=placement)
-    base = decode_scores(model, windows, **kw)
+    base = scorer(None, windows)
 
     def count(s: DecodeScores, index: int) -> float:  # one layer's experts: all, or the busiest rank's
         return s.distinct[index] if placement is None else s.rank_distinct[index]
@@ -242,14 +267,10 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     untouched = {layer.index: SereConfig(S=layer.top_k, rho=0.0) for layer in layers}  # S = K: identity
 
     def run(plan: dict[int, RoutingConfig], on: torch.Tensor = windows) -> DecodeScores:
-        transform(model, sim, plan=plan, max_tokens=max_tokens)
-        try:
-            return decode_scores(model, on, **kw)
-        finally:
-            restore(model)
+        return scorer(plan, on)
 
     probe_windows = windows if probe_sequences in (None, n) else windows[:probe_sequences]
-    probe_base = base if probe_windows is windows else decode_scores(model, probe_windows, **kw)
+    probe_base = base if probe_windows is windows else scorer(None, probe_windows)
 
     options: dict[int, list[Probe]] = {}
     jobs = []

@@ -100,17 +100,12 @@ def _decode_pass(llm, windows: torch.Tensor, batch_size: int, prefill: int, prog
     return correct, nll
 
 
-def evaluate_engine(llm, windows: torch.Tensor, policies, sim: str | None = None, *, batch_size: int = 32,
-                    prefill: int = 4, progress: bool = True):
-    """``sere_fx.evaluate.evaluate`` inside the vLLM engine ``llm`` (started with
-    ``enforce_eager=True`` and ``logits_processors=[LOGITS_PROCESSOR]``); ``sim``: the similarity
-    file's path, for the policies that read one. Returns the same ``EvalReport``."""
+def _checked_engine(llm, windows: torch.Tensor, batch_size: int, prefill: int):
+    """The engine's MoE layers, after refusing what the teacher-forced passes cannot run on."""
     import sere_fx.vllm
-    from sere_fx.evaluate import DecodeScores, build_report, parse_policy
     from sere_fx.vllm.startup import model_layers
 
     sere_fx.vllm.register()
-    specs = [p if not isinstance(p, str) else parse_policy(p) for p in policies if p != "baseline"]
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2:
         raise ArgumentTypeError("windows", f"windows: expected token ids [N, L], got {getattr(windows, 'shape', windows)}")
     n, length = windows.shape
@@ -133,16 +128,64 @@ def evaluate_engine(llm, windows: torch.Tensor, policies, sim: str | None = None
     layers = model_layers(config.model_config.hf_config)
     if layers is None:
         raise ArgumentValueError("llm", "llm: cannot tell the served model's MoE layers from its config")
+    return layers
+
+
+def engine_scores(llm, windows: torch.Tensor, raw: dict | None, *, batch_size: int, prefill: int,
+                  progress: bool = False):
+    """``DecodeScores`` of one pass with the plugin's settings ``raw`` on every worker."""
+    import sere_fx.vllm
+    from sere_fx.evaluate import DecodeScores
+
+    llm.collective_rpc("sere_switch_routing", args=(raw,))
+    try:
+        correct, nll = _decode_pass(llm, windows, batch_size, prefill, progress)
+        stats = sere_fx.vllm.routing_stats(llm)
+    finally:
+        llm.collective_rpc("sere_switch_routing", args=(None,))
+    tokens = np.full(windows.shape[0], windows.shape[1] - prefill - 1, dtype=np.int64)
+    return DecodeScores(correct, nll, tokens, {layer: values["distinct_after"] for layer, values in stats.items()})
+
+
+class EngineScorer:
+    """``sere_fx.tuning.tune``'s scorer inside a vLLM engine: a plan is handed to the workers as a
+    plan file (``additional_config["sere"]["plan"]``), switched in without restarting the engine."""
+
+    def __init__(self, llm, sim: str, scratch: str, *, batch_size: int, prefill: int, windows: torch.Tensor):
+        self.llm, self.sim, self.scratch = llm, sim, scratch
+        self.batch_size, self.prefill = batch_size, prefill
+        self.layers = _checked_engine(llm, windows, batch_size, prefill)
+
+    def __call__(self, plan, windows: torch.Tensor):
+        import os
+
+        from sere_fx.plan import save_plan
+
+        if plan is None:
+            raw = baseline_settings(self.layers)
+        else:
+            path = os.path.join(self.scratch, "probe.plan.json")
+            save_plan(path, plan)
+            raw = {"plan": path, "sim": self.sim, "stats": True}
+        return engine_scores(self.llm, windows[: windows.shape[0] - windows.shape[0] % self.batch_size], raw,
+                             batch_size=self.batch_size, prefill=self.prefill)
+
+
+def evaluate_engine(llm, windows: torch.Tensor, policies, sim: str | None = None, *, batch_size: int = 32,
+                    prefill: int = 4, progress: bool = True):
+    """``sere_fx.evaluate.evaluate`` inside the vLLM engine ``llm`` (started with
+    ``enforce_eager=True`` and ``logits_processors=[LOGITS_PROCESSOR]``); ``sim``: the similarity
+    file's path, for the policies that read one. Returns the same ``EvalReport``."""
+    from sere_fx.evaluate import build_report, parse_policy
+
+    specs = [p if not isinstance(p, str) else parse_policy(p) for p in policies if p != "baseline"]
+    layers = _checked_engine(llm, windows, batch_size, prefill)
+    n, length = windows.shape
     windows = windows[: n - n % batch_size]  # every scored step carries exactly batch_size rows
     scored = []
     for label, raw in [("baseline", baseline_settings(layers)), *((s.label, spec_settings(s, sim)) for s in specs)]:
-        llm.collective_rpc("sere_switch_routing", args=(raw,))
-        correct, nll = _decode_pass(llm, windows, batch_size, prefill, progress)
-        stats = sere_fx.vllm.routing_stats(llm)
-        distinct = {layer: values["distinct_after"] for layer, values in stats.items()}
-        tokens = np.full(windows.shape[0], length - prefill - 1, dtype=np.int64)
-        scored.append((label, DecodeScores(correct, nll, tokens, distinct), None if label == "baseline" else raw))
-    llm.collective_rpc("sere_switch_routing", args=(None,))
+        s = engine_scores(llm, windows, raw, batch_size=batch_size, prefill=prefill, progress=progress)
+        scored.append((label, s, None if label == "baseline" else raw))
     report = build_report(scored, {"batch_size": batch_size, "prefill": prefill, "sequences": int(windows.shape[0]),
                                    "dropped_sequences": n % batch_size, "window": int(length),
                                    "scored_tokens": int(scored[0][1].tokens.sum()), "max_tokens": None,
