@@ -516,3 +516,39 @@ def test_calibration_inside_the_engine_matches_the_transformers_path(workdir, ca
     assert sim.metadata["tokens"] == calibration_reference.metadata["tokens"] == 2048
     for layer, agree in similarity_agreement(sim, calibration_reference).items():
         assert agree["sim"] < 1e-5 and agree["predictor"] < 1e-4 and agree["best"] == 1.0, (layer, agree)
+
+
+def test_tune_and_eval_inside_the_engine_at_tp2_agree_with_the_transformers_path(workdir, testbed_sim):
+    """``tune --engine vllm`` and ``eval --engine vllm`` at TP=2: the plan meets its expert budget
+    on held-out text, and the engine's figures are the transformers ``eval``'s on the same windows
+    (fp32: the same outputs up to summation order, so the same top-1 decisions and NLL to 1e-3)."""
+    from sere_fx.cli import main
+
+    env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    plan = workdir / "engine.plan.json"
+    tuning = ["--model", TESTBED_MODEL, "--data", TESTBED_TEXT, "--sim", testbed_sim, "--batch-size", "16"]
+    proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", "tune", "--engine", "vllm", "--tensor-parallel-size",
+                           "2", *tuning, "--token-range", "0:40000", "--num-seqs", "16", "--steps", "6",
+                           "--max-experts", "0.5", "--out", str(plan)], capture_output=True, text=True, timeout=900,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    tuned = json.loads(plan.read_text())
+    assert tuned["tuned"]["engine"] == "vllm" and tuned["tuned"]["distinct"] <= 0.5 * tuned["tuned"]["baseline_distinct"]
+    held_out = [*tuning, "--token-range", "40000:", "--num-seqs", "32", "--steps", "8", "--policies", "baseline",
+                "sere:S=2,rho=0", "oea:S=2", f"plan:{plan}"]
+    proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", "eval", "--engine", "vllm", "--tensor-parallel-size",
+                           "2", *held_out, "--out-dir", str(workdir / "eval_engine")], capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert main(["eval", *held_out, "--out-dir", str(workdir / "eval_hf")]) == 0
+    engine = json.loads((workdir / "eval_engine" / "eval.json").read_text())
+    plain = json.loads((workdir / "eval_hf" / "eval.json").read_text())
+    assert engine["config"]["engine"] == "vllm" and engine["config"]["scored_tokens"] == plain["config"]["scored_tokens"]
+    tokens = plain["config"]["scored_tokens"]
+    for a, b in zip(engine["results"], plain["results"]):
+        assert a["label"] == b["label"]
+        assert abs(a["accuracy"] - b["accuracy"]) <= 2 / tokens and abs(a["nll"] - b["nll"]) < 1e-3, (a, b)
+        assert abs(a["distinct"] - b["distinct"]) < 0.5, (a["label"], a["distinct"], b["distinct"])
+    base, planned = engine["results"][0], engine["results"][-1]
+    # the budget on held-out text: half the baseline's experts per layer per decode step
+    assert planned["distinct"] <= 0.5 * base["distinct"], (planned["distinct"], base["distinct"])

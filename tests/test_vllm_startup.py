@@ -142,6 +142,11 @@ def test_the_calling_process_stamps_requests_with_several_samples():
     assert single.sampling_params.extra_args is None
     child = request("2_cmpl-7", 3, {"sere": False})
     assert siblings.group_of(child) == ("cmpl-7", 3)
+    # an explicit group (the engine evaluation's batches): any ids, admitted together
+    gate = siblings.Gate()
+    batch = [request(str(i), extra={siblings.GROUP_KEY: {"group": "eval-0", "size": 3}}) for i in (7, 8, 9)]
+    assert gate.admit(batch[0]) == [] and gate.admit(batch[1]) == [] and gate.admit(batch[2]) == batch
+    assert siblings.group_of(request("5", extra={siblings.GROUP_KEY: {"group": "g", "size": 1}})) is None
 
 
 def test_calibration_refuses_engines_whose_prefill_it_cannot_read():

@@ -164,8 +164,7 @@ def _install_hooks() -> None:
 
     @functools.wraps(add_request)
     def add_request_with_siblings(self, request):
-        if settings_of(self.vllm_config) is None:
-            return add_request(self, request)
+        # every engine: only stamped requests are held (n > 1 under "sere" settings, evaluation batches)
         gate = self.__dict__.setdefault("_sere_siblings", siblings.Gate())
         for admitted in gate.admit(request):
             add_request(self, admitted)

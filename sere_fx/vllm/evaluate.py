@@ -19,6 +19,7 @@ the counters on (each layer's ``topk`` at S = K, which routes as the model does)
 from __future__ import annotations
 
 import math
+import uuid
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
 from sere_fx.config import Quantile
 from sere_fx.errors import ArgumentTypeError, ArgumentValueError
+from sere_fx.vllm.siblings import GROUP_KEY
 
 # extra_args key of each request's reference continuation (the tokens after its prompt)
 REFERENCE_KEY = "sere_reference"
@@ -82,11 +84,15 @@ def _decode_pass(llm, windows: torch.Tensor, batch_size: int, prefill: int, prog
     n, length = windows.shape
     correct = np.zeros(n, dtype=np.int64)
     nll = np.zeros(n, dtype=np.float64)
+    run = uuid.uuid4().hex[:8]
     for start in range(0, n, batch_size):
         batch = windows[start:start + batch_size].tolist()
         prompts = [{"prompt_token_ids": row[:prefill]} for row in batch]
+        # one group: the engine admits the batch's B requests together, so all B prefill in one step
+        # and decode in lockstep, however their messages reach the engine core
+        group = {"group": f"sere-eval-{run}-{start}", "size": len(batch)}
         params = [SamplingParams(max_tokens=length - prefill, temperature=0.0, logprobs=0, ignore_eos=True,
-                                 detokenize=False, extra_args={REFERENCE_KEY: row[prefill:]})
+                                 detokenize=False, extra_args={REFERENCE_KEY: row[prefill:], GROUP_KEY: group})
                   for row in batch]
         outputs = llm.generate(prompts, params, use_tqdm=progress)
         for i, (row, out) in enumerate(zip(batch, outputs)):

@@ -11,7 +11,7 @@ so the same seeded request gave different samples from run to run.
 The fix holds the siblings back until all ``n`` are in, then admits them together: a request
 alone on the server then meets the same steps every time. The calling process stamps each child
 with ``n`` (``InputProcessor.process_inputs``, where the request's private sampling parameters
-are made); the engine core's scheduler holds stamped children until their group is complete
+are made); the engine core's scheduler holds stamped requests until their group is complete
 (``Scheduler.add_request``) and forgets held ones that are aborted (``Scheduler.finish_requests``).
 Nothing waits on a timer: the siblings are sent back to back, and while a group is incomplete
 the engine core simply has nothing new to schedule for it.
@@ -34,13 +34,19 @@ def stamp(request) -> None:
 
 
 def group_of(request) -> tuple[str, int] | None:
-    """``(parent id, n)`` of a stamped child request, else None."""
+    """``(group, size)`` of a stamped request, else None: a child of an n > 1 request (stamped with
+    ``n``; its group is the parent id in ``"{i}_{parent id}"``), or any request stamped with
+    ``{"group": id, "size": n}`` (the engine evaluation's batches, whose B sequences must start in
+    one step as well)."""
     params = getattr(request, "sampling_params", None)
-    n = ((params.extra_args or {}) if params is not None else {}).get(GROUP_KEY)
+    stamp_ = ((params.extra_args or {}) if params is not None else {}).get(GROUP_KEY)
+    if isinstance(stamp_, dict):
+        group, size = stamp_.get("group"), stamp_.get("size")
+        return (str(group), size) if isinstance(size, int) and size > 1 and group is not None else None
     index, sep, parent = request.request_id.partition("_")
-    if not isinstance(n, int) or n <= 1 or not sep or not index.isdigit():
+    if not isinstance(stamp_, int) or stamp_ <= 1 or not sep or not index.isdigit():
         return None
-    return parent, n
+    return parent, stamp_
 
 
 class Gate:
