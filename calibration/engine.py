@@ -159,14 +159,12 @@ def calibrate_engine(llm, windows: torch.Tensor, method: str = "frobenius", *, c
     as ``calibrate`` (``sere-fx calibrate --engine vllm``)."""
     from vllm import SamplingParams
 
-    import sere_fx.vllm
-
     if method not in METHODS:
         raise ArgumentValueError("method", f"method: expected one of {list(METHODS)}, got {method!r}")
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[0] == 0:
         raise ArgumentTypeError("windows", f"windows: expected token ids [N, L] with N >= 1, got "
                                            f"{getattr(windows, 'shape', type(windows).__name__)}")
-    sere_fx.vllm.register()  # the worker methods (vLLM loaded the plugin already where it is installed)
+    # the workers' calibration methods come with the plugin, which vLLM loads in every process
     config = llm.llm_engine.vllm_config
     if config.parallel_config.data_parallel_size > 1:
         raise ArgumentValueError("llm", f"llm: expected data_parallel_size 1 (each data-parallel rank prefills other "

@@ -21,8 +21,6 @@ _REGISTERED = False
 SUPPORTED_VLLM = ">=0.32,<0.33"
 
 
-
-
 def _vllm_version() -> str:
     import vllm
 

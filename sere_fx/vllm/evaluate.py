@@ -108,10 +108,8 @@ def _decode_pass(llm, windows: torch.Tensor, batch_size: int, prefill: int, prog
 
 def _checked_engine(llm, windows: torch.Tensor, batch_size: int, prefill: int):
     """The engine's MoE layers, after refusing what the teacher-forced passes cannot run on."""
-    import sere_fx.vllm
     from sere_fx.vllm.startup import model_layers
 
-    sere_fx.vllm.register()
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2:
         raise ArgumentTypeError("windows", f"windows: expected token ids [N, L], got {getattr(windows, 'shape', windows)}")
     n, length = windows.shape
