@@ -49,13 +49,13 @@ def main() -> int:
               "--batch-size", "32"]
     engine = ["--engine", "vllm", "--tensor-parallel-size", str(args.tp)]
     plans = {name: os.path.join(args.scratch, f"plan_{name}.json") for name in ("transformers", "vllm")}
-    tuning = [*common, "--token-range", "0:40000", "--num-seqs", "64", "--steps", "16", "--max-experts", "0.5"]
+    tuning = [*common, "--token-range", "0:40000", "--num-seqs", "32", "--steps", "16", "--max-experts", "0.5"]
     seconds = {}
     seconds["tune transformers"] = cli(["tune", *tuning, "--out", plans["transformers"]], env)
     seconds["tune vllm"] = cli(["tune", *tuning, *engine, "--out", plans["vllm"]], env)
     tuned = {name: json.load(open(path)) for name, path in plans.items()}
     policies = ["baseline", "sere:S=2,rho=0", "oea:S=2", "weight:S=1,N=0.6", *(f"plan:{p}" for p in plans.values())]
-    held_out = [*common, "--token-range", "40000:", "--num-seqs", "128", "--steps", "32", "--policies", *policies]
+    held_out = [*common, "--token-range", "40000:", "--num-seqs", "64", "--steps", "16", "--policies", *policies]
     outs = {name: os.path.join(args.scratch, f"eval_{name}") for name in ("transformers", "vllm")}
     seconds["eval transformers"] = cli(["eval", *held_out, "--out-dir", outs["transformers"]], env)
     seconds["eval vllm"] = cli(["eval", *held_out, *engine, "--out-dir", outs["vllm"]], env)
