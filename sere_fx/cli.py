@@ -133,16 +133,15 @@ def _start_engine(args, kwargs: dict, max_model_len: int):
     return LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False, **kwargs)
 
 
-def _model_args(p, device_map: bool = True) -> None:
-    """``--dtype``, ``--device`` and (not for artifacts, which trace one device) ``--device-map``."""
+def _model_args(p) -> None:
+    """``--dtype``, ``--device`` and ``--device-map``."""
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights' dtype: auto is the checkpoint's own (default float32)")
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)")
-    if device_map:
-        p.add_argument("--device-map", default=None, choices=DEVICE_MAPS,
-                       help="spread the model over the GPUs and the CPU with accelerate (transformers' device_map); "
-                            "instead of --device")
+    p.add_argument("--device-map", default=None, choices=DEVICE_MAPS,
+                   help="spread the model over the GPUs and the CPU with accelerate (transformers' device_map); "
+                        "instead of --device (not for export: an artifact is traced on one device)")
 
 
 def _load_model_dir_checks(path: str) -> None:
@@ -473,6 +472,9 @@ def cmd_export(args) -> int:
 
     if (failed := _output_dir_missing("export", args.out)) is not None:
         return failed
+    if args.device_map is not None:
+        raise CliError(f"--device-map: an artifact is traced on one device; expected --device instead, got "
+                       f"{args.device_map!r}")
     if args.policy is not None and args.policy not in POLICIES:
         raise CliError(f"--policy: expected one of {', '.join(POLICIES)}, got {args.policy!r}")
     keywords = {"policy": args.policy, "S": args.S, "rho": args.rho, "N": args.N}
@@ -676,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--format tensorrt)")
     x.add_argument("--experts-implementation", choices=["grouped_mm", "batched_mm"], default="grouped_mm",
                    help="transformers experts implementation to export (default grouped_mm; onnx uses batched_mm)")
-    _model_args(x, device_map=False)
+    _model_args(x)
     x.add_argument("--out", required=True)
     x.set_defaults(func=cmd_export)
 
