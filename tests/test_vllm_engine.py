@@ -534,7 +534,7 @@ def test_tune_and_eval_inside_the_engine_at_tp2_agree_with_the_transformers_path
     assert proc.returncode == 0, proc.stderr[-6000:]
     tuned = json.loads(plan.read_text())
     assert tuned["tuned"]["engine"] == "vllm" and tuned["tuned"]["distinct"] <= 0.5 * tuned["tuned"]["baseline_distinct"]
-    held_out = [*tuning, "--token-range", "40000:", "--num-seqs", "32", "--steps", "8", "--policies", "baseline",
+    held_out = [*tuning, "--token-range", "40000:", "--num-seqs", "16", "--steps", "8", "--policies", "baseline",
                 "sere:S=2,rho=0", "oea:S=2", f"plan:{plan}"]
     proc = subprocess.run([sys.executable, "-m", "sere_fx.cli", "eval", "--engine", "vllm", "--tensor-parallel-size",
                            "2", *held_out, "--out-dir", str(workdir / "eval_engine")], capture_output=True, text=True,
