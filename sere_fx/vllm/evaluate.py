@@ -99,8 +99,9 @@ def _decode_pass(llm, windows: torch.Tensor, batch_size: int, prefill: int, prog
             sample = out.outputs[0]
             if list(sample.token_ids) != row[prefill:]:
                 raise RuntimeError(f"evaluation: sequence {start + i} did not follow its reference tokens")
-            for step in sample.logprobs[1:]:  # the first token comes from the prefill: not scored
-                (lp,) = [v for v in step.values()][:1]
+            # the first token comes from the prefill: not scored
+            for token, step in zip(sample.token_ids[1:], sample.logprobs[1:]):
+                lp = step[token]  # the reference token's raw logprob and rank
                 nll[start + i] -= lp.logprob
                 correct[start + i] += int(lp.rank == 1)
     return correct, nll
