@@ -202,6 +202,9 @@ def cmd_calibrate(args) -> int:
     _check_data(args)
     engine_kwargs = _engine_kwargs(args)  # every engine option checked before anything loads
     extra = {"num_seqs": None, "seq_len": args.seq_len, "data": str(args.data)}
+    if engine_kwargs is not None and args.batch_size is not None:
+        raise CliError(f"--batch-size: vLLM schedules the windows itself (--max-num-batched-tokens); expected none "
+                       f"with --engine vllm, got {args.batch_size}")
     if engine_kwargs is not None:
         from transformers import AutoTokenizer
 
@@ -214,8 +217,9 @@ def cmd_calibrate(args) -> int:
         model, tokenizer = _load_model(args)
         windows = _windows(args, tokenizer, args.seq_len)
         extra["num_seqs"] = int(windows.shape[0])
-        sim = calibrate(model, batched(windows, args.batch_size), args.method, cka_sample=args.cka_sample,
-                        total=-(-windows.shape[0] // args.batch_size), extra_metadata=extra)
+        batch_size = args.batch_size or 16
+        sim = calibrate(model, batched(windows, batch_size), args.method, cka_sample=args.cka_sample,
+                        total=-(-windows.shape[0] // batch_size), extra_metadata=extra)
     sim.save(args.out)
     print(f"wrote {args.out}: {len(sim)} layers, {sim.metadata['tokens']} tokens, method {args.method}")
     return 0
@@ -590,7 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", required=True, help="a local transformers model directory")
     _data_args(c, 400)
     c.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    c.add_argument("--batch-size", type=int, default=16)
+    c.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per forward (default 16; with --engine vllm, vLLM batches: see --max-num-batched-tokens)")
     c.add_argument("--method", choices=METHODS, default="frobenius",
                    help="frobenius (default) and cosine stream over all tokens with O(E^2) memory; "
                         f"cka uses a uniform sample of --cka-sample tokens per layer (default {DEFAULT_CKA_SAMPLE})")

@@ -155,6 +155,9 @@ def test_every_mistake_is_one_line_naming_the_argument(tmp_path, capsys):
          "sere-fx calibrate: error: --engine-arg: a vLLM option, only used with --engine vllm, got 'swap_space=4'"),
         (["calibrate", "--model", model, "--data", text, "--out", out, "--engine", "vllm", "--device-map", "auto"],
          "sere-fx calibrate: error: --device-map: vLLM places the model on its own platform"),
+        (["calibrate", "--model", model, "--data", text, "--out", out, "--engine", "vllm", "--batch-size", "8"],
+         "sere-fx calibrate: error: --batch-size: vLLM schedules the windows itself (--max-num-batched-tokens); "
+         "expected none with --engine vllm, got 8"),
         (["calibrate", "--model", model, "--data", text, "--out", out, "--engine", "vllm", "--engine-arg", "4"],
          "sere-fx calibrate: error: --engine-arg: expected KEY=VALUE with KEY an LLM(...) argument, got '4'"),
         (["calibrate", "--model", model, "--data", text, "--out", out, "--engine", "vllm", "--engine-arg",
