@@ -133,6 +133,17 @@ def _start_engine(args, kwargs: dict, max_model_len: int):
     return LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False, **kwargs)
 
 
+def _start_decode_engine(args, kwargs: dict):
+    """The engine ``eval`` and ``tune`` decode in: a batch's prompts fit one step, ``--batch-size``
+    rows decode together, the teacher-forcing logits processor is loaded."""
+    from sere_fx.vllm.evaluate import LOGITS_PROCESSOR
+
+    length = args.prefill + args.steps + 1
+    kwargs = {"max_num_seqs": args.batch_size, "max_num_batched_tokens": max(args.batch_size * args.prefill, length),
+              "logits_processors": [LOGITS_PROCESSOR], **kwargs}
+    return _start_engine(args, kwargs, max_model_len=length)
+
+
 def _model_args(p) -> None:
     """``--dtype``, ``--device`` and ``--device-map``."""
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
@@ -374,12 +385,9 @@ def cmd_eval(args) -> int:
                               f"got {args.batch_size}")
     try:
         if engine_kwargs is not None:
-            from sere_fx.vllm.evaluate import LOGITS_PROCESSOR, evaluate_engine
+            from sere_fx.vllm.evaluate import evaluate_engine
 
-            engine_kwargs = {"max_num_seqs": args.batch_size,
-                             "max_num_batched_tokens": max(args.batch_size * args.prefill, args.prefill + args.steps + 1),
-                             "logits_processors": [LOGITS_PROCESSOR], **engine_kwargs}
-            llm = _start_engine(args, engine_kwargs, max_model_len=args.prefill + args.steps + 1)
+            llm = _start_decode_engine(args, engine_kwargs)
             report = evaluate_engine(llm, windows, args.policies, args.sim, batch_size=args.batch_size,
                                      prefill=args.prefill)
         else:
@@ -422,7 +430,7 @@ def cmd_tune(args) -> int:
 
         from transformers import AutoTokenizer
 
-        from sere_fx.vllm.evaluate import LOGITS_PROCESSOR, EngineScorer
+        from sere_fx.vllm.evaluate import EngineScorer
 
         if placement is not None or args.max_tokens is not None:
             option, value = ("--ep-ranks", args.ep_ranks) if placement is not None else ("--max-tokens", args.max_tokens)
@@ -430,10 +438,7 @@ def cmd_tune(args) -> int:
                            f"and counts its own ranks), got {value}")
         _load_model_dir_checks(args.model)
         windows = _windows(args, AutoTokenizer.from_pretrained(args.model), args.prefill + args.steps + 1)
-        engine_kwargs = {"max_num_seqs": args.batch_size,
-                         "max_num_batched_tokens": max(args.batch_size * args.prefill, args.prefill + args.steps + 1),
-                         "logits_processors": [LOGITS_PROCESSOR], **engine_kwargs}
-        llm = _start_engine(args, engine_kwargs, max_model_len=args.prefill + args.steps + 1)
+        llm = _start_decode_engine(args, engine_kwargs)
         scratch = tempfile.mkdtemp(prefix="sere-fx-tune-")
         scorer = EngineScorer(llm, os.path.abspath(args.sim), scratch, batch_size=args.batch_size,
                               prefill=args.prefill, windows=windows)
