@@ -9,6 +9,15 @@ import torch
 from sere_fx.placement import Placement, rank_load
 
 
+def repeated_slots(ids: torch.Tensor) -> torch.Tensor:
+    """Bool ``[T, K]``: slots whose expert an earlier slot of the same token already has. A kernel
+    that merges slots computes the others, each token's distinct experts (weight-0 fill slots of
+    the top-k policies repeat the token's first expert, so they are among the repeated)."""
+    k = ids.shape[-1]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(-1)  # [i, j]: slot j before slot i
+    return ((ids.unsqueeze(-1) == ids.unsqueeze(-2)) & earlier).any(dim=-1)
+
+
 @dataclass
 class LayerStats:
     """Counters for one MoE layer, summed over calls (``distinct_*`` are summed per call)."""
@@ -19,6 +28,11 @@ class LayerStats:
     distinct_after: int = 0
     slots_rerouted: int = 0  # slots whose expert changed (or were dropped, for the ``topk`` policy)
     critical_kept: int = 0
+    # token-slots before (T x K) and after: each token's distinct experts, what a kernel that merges a
+    # token's slots of one expert computes (``sere_sparse``, the vLLM plugin's CPU kernel); transformers'
+    # own experts implementations compute every slot
+    slots_before: int = 0
+    slots_after: int = 0
     skipped_calls: int = 0  # calls above ``max_tokens`` (left to the model's own routing)
     skipped_tokens: int = 0
     # with a placement (``transform(stats=Placement(...))``): the busiest EP rank's distinct experts
@@ -43,6 +57,8 @@ class LayerStats:
             else:  # top-k reduction: the dropped slots
                 self.slots_rerouted += ranked_ids.numel() - rerouted.numel()
             self.critical_kept += int((~torch.isin(after, primary)).sum())
+            self.slots_before += ranked_ids.numel()
+            self.slots_after += rerouted.numel() - int(repeated_slots(rerouted).sum())
             if self.placement is not None:
                 if self._owner is None:  # once: the map does not change between calls
                     self._owner = self.placement.owner(self.num_experts)

@@ -335,12 +335,18 @@ def test_quantile_validation():
         sere_fx.Quantile(1.5)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"])
-def test_sparse_experts_implementation_matches_eager(family):
-    """``sere_sparse`` (active experts only, duplicate slots merged) computes what ``eager`` does."""
+@pytest.mark.parametrize("family,policy", [(f, "sere") for f in ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
+                                                                  "deepseek_v2", "deepseek_v3"]]
+                         + [(f, "oea") for f in ["qwen3_moe", "qwen2_moe", "deepseek_v2"]])  # OEA: weights from values
+def test_sparse_experts_implementation_matches_eager(family, policy):
+    """``sere_sparse`` (active experts only, duplicate slots merged, weight-0 slots skipped) computes
+    what ``eager`` does: SERE duplicates (token, expert) slots, OEA fills slots at weight 0."""
     model = tiny_model(family)
     sim = random_similarity(find_moe_layers(model), seed=6)
-    sere_fx.transform(model, sim, S=1, rho=0.0, max_tokens=None)  # duplicates (token, expert) slots
+    if policy == "sere":
+        sere_fx.transform(model, sim, S=1, rho=0.0, max_tokens=None)
+    else:
+        sere_fx.transform(model, None, S=1, policy="oea", max_tokens=None)
     ids = _ids(model, batch=5, length=3)
     with torch.no_grad():
         expected = model(ids).logits

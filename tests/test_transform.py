@@ -137,6 +137,10 @@ def test_stats_count_what_the_reference_sees():
         assert s.critical_kept == len(set(after.flatten().tolist()) - primary)
         assert s.slots_rerouted == int((before != after).sum())
         assert s.distinct_after <= s.distinct_before
+        assert s.slots_before == before.numel()  # each token's distinct experts: what a merging kernel computes
+        assert s.slots_after == sum(len(set(row)) for row in after.tolist())
+    assert sum(s.slots_after for s in sere_fx.routing_stats(model).values()) < sum(
+        s.slots_before for s in sere_fx.routing_stats(model).values())
 
 
 def test_buffers_follow_state_dict_and_to():

@@ -94,6 +94,8 @@ def test_rho_above_every_similarity_reproduces_plain_vllm(workdir, testbed_sim, 
     for layer in out["stats"].values():
         assert layer["decode_steps"] > 0 and layer["slots_rerouted"] == 0
         assert layer["distinct_after"] == layer["distinct_before"]
+        assert layer["slots_after"] == layer["slots_before"] == 8 * layer["decode_rows"]  # nothing to merge
+    assert "slots merged on 4 layers" in out["log"]  # the merging kernel ran, and changed no token
 
 
 def test_topk_policies_cut_experts_and_leave_prefill_rows_alone(workdir, plain):
@@ -278,6 +280,8 @@ def test_readme_offline_example(workdir, testbed_sim):
     for layer in stats.values():
         assert layer["decode_steps"] > 0 and layer["slots_rerouted"] > 0
         assert layer["distinct_after"] < 0.7 * layer["distinct_before"], layer
+        # re-routed slots that landed on an expert their token already uses are computed once
+        assert layer["slots_before"] == 8 * layer["decode_rows"] and layer["slots_after"] < layer["slots_before"], layer
 
 
 def readme_server_command(testbed_sim: str, port: int) -> str:
@@ -373,6 +377,8 @@ def test_readme_server_example(readme_server):
         # 32 tokens each: 31 decode steps of the first and of the chat request; the opted-out one adds none
         assert steps == 62 and delta[f"sere_fx_rows_rerouted_total{labels}"] == 62, delta
         assert delta[f"sere_fx_distinct_experts_after_total{labels}"] < delta[f"sere_fx_distinct_experts_before_total{labels}"]
+        assert delta[f"sere_fx_token_slots_before_total{labels}"] == 8 * 62
+        assert delta[f"sere_fx_token_slots_after_total{labels}"] < 8 * 62
         mean = series[f"sere_fx_distinct_experts_before_per_step{labels}"]
         assert mean == pytest.approx(series[f"sere_fx_distinct_experts_before_total{labels}"]
                                      / series[f"sere_fx_decode_steps_total{labels}"])

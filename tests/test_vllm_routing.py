@@ -321,8 +321,22 @@ def test_statistics_count_decode_rows(engine_state):
         "slots_rerouted": float(sum(int(ids0[t, s] != ids1[t, s]) for t in rows for s in range(K))),
         "critical_kept": float(len(after - primary)),
         "free_after": float(len(after & free)),
+        # a mixed step: the layer's kernel runs vLLM's call, every slot of the re-routed rows computed
+        "slots_before": float(len(rows) * K),
+        "slots_after": float(len(rows) * K),
     }
     assert len(after) < len(before)
+
+
+def test_statistics_count_the_slots_a_merging_kernel_computes(engine_state):
+    # a pure decode step on a layer whose kernel merges slots: each row's distinct experts
+    engine_state.stats[5] = torch.zeros(len(engine.STAT_FIELDS), dtype=torch.float64)
+    engine_state.merging = {5}
+    plan(engine_state, list("abcdefghijkl"), [False] * T, [1] * T)
+    x, (w0, ids0), (w1, ids1) = routed("softmax", LayerPlan("sere", 2, 0.0), stats=True, layer=5)
+    stats = engine.worker_stats()[5]
+    assert stats["slots_before"] == T * K
+    assert stats["slots_after"] == sum(len(set(ids1[t].tolist())) for t in range(T)) < T * K
 
 
 def test_statistics_count_the_busiest_expert_parallel_rank(engine_state):

@@ -8,7 +8,9 @@ how the weights are streamed decides whether fewer experts turn into less time.
 
 - (token, expert) pairs are deduplicated first, their routing weights summed: re-routing
   often sends several slots of one token to the same primary expert, and one row with the
-  summed weight is the same math done once (fewer FLOPs, which matter on a CPU);
+  summed weight is the same math done once (fewer FLOPs, which matter on a CPU); a pair whose
+  summed weight is 0 (the top-k policies fill slots they cannot fill with weight-0 copies of the
+  token's first expert) is not computed at all;
 - rows are grouped by expert with one sort; one Python-level loop runs over *active*
   experts only, each doing ``W @ X^T`` with the weight as the row-major left operand (MKL
   streams it well for small N, better than ``F.linear``'s transposed form);
@@ -56,6 +58,9 @@ def sparse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     keys, inverse = torch.unique(ids * num_tokens + tokens, return_inverse=True)
     row_weight = torch.zeros(keys.shape[0], dtype=torch.float32, device=ids.device)
     row_weight.index_add_(0, inverse, weights.float())
+    nonzero = row_weight != 0  # weight-0 slots (the top-k policies' fill) add nothing: not computed
+    if not bool(nonzero.all()):
+        keys, row_weight = keys[nonzero], row_weight[nonzero]
     row_expert = keys // num_tokens
     row_token = keys % num_tokens
     counts = torch.bincount(row_expert, minlength=num_experts).tolist()

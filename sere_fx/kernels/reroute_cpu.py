@@ -150,8 +150,9 @@ def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float
 
 # --- the engine's native op ------------------------------------------------------------------
 # ``engine_op.cpp``: the vLLM plugin's per-layer ops as CPU kernels of their own
-# (``torch.ops.sere_native.engine_reroute`` / ``engine_rows``), dispatched from vLLM's compiled
-# graph without a Python frame. A PyTorch C++ extension, built once per torch version with
+# (``torch.ops.sere_native.engine_reroute`` / ``engine_rows``, and ``fused_moe``: vLLM's CPU
+# fused-MoE kernel with exact slot merging), dispatched from vLLM's compiled graph without a
+# Python frame. A PyTorch C++ extension, built once per torch version with
 # ``torch.utils.cpp_extension`` (~15 s on a 2-core machine; cached in ``$TORCH_EXTENSIONS_DIR``).
 _NATIVE: bool | None = None
 
@@ -180,6 +181,16 @@ def load_engine_op() -> bool:
             def _(topk_ids, num_experts):
                 return (topk_ids.new_empty(topk_ids.shape[0], dtype=torch.bool),
                         topk_ids.new_empty(num_experts, dtype=torch.bool))
+
+            @torch.library.register_fake("sere_native::fused_moe")
+            def _(output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, skip_weighted, act, isa):
+                return None
+
+            @torch.library.register_fake("sere_native::slot_pairs")
+            def _(topk_ids, topk_weights, num_experts):
+                m = torch.library.get_ctx().new_dynamic_size()
+                return (topk_ids.new_empty(m, dtype=torch.int64), topk_ids.new_empty(m),
+                        topk_weights.new_empty(m))
 
             _NATIVE = True
         except Exception as exc:  # no compiler, no ninja, headers missing: the Python op serves

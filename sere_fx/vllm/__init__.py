@@ -241,11 +241,14 @@ def _planning(prepare, read):
 
 def routing_stats(llm) -> dict[int, dict[str, float]]:
     """Per MoE layer, means per decode step: ``{layer: {"decode_steps", "decode_rows", "prefill_rows",
-    "distinct_before", "distinct_after", "slots_rerouted", "critical_kept", "free_after"}}``
+    "distinct_before", "distinct_after", "slots_rerouted", "critical_kept", "free_after", "slots_before",
+    "slots_after"}}``
     (``decode_steps`` is the count of layer calls that had re-routed rows; ``decode_rows`` the rows
     re-routed; ``prefill_rows`` the real rows of those calls that kept the model's routing: prompt
     rows, opted-out requests; ``free_after`` the experts the re-routed rows read that those rows
-    read anyway). With an expert-parallel placement (``"ep_ranks"``, or the engine's own EP) also
+    read anyway; ``slots_before`` / ``slots_after`` the re-routed rows' token-slots the MoE kernel
+    computes without and with the plugin: K per row, and each row's distinct experts where the
+    layer's kernel merges slots, ``sere_fx.vllm.slots``). With an expert-parallel placement (``"ep_ranks"``, or the engine's own EP) also
     ``"max_rank_before"``, ``"max_rank_after"`` (the busiest rank's distinct experts) and
     ``"max_rank_slots_after"`` (its token-slots).
 

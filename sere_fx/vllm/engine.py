@@ -20,6 +20,8 @@
   (``kernels/engine_op.cpp``), whose buffers ``allocate`` binds, replace them.
   Both are opaque ops, so Dynamo does not freeze the masks of the step it traced; the buffers
   are persistent and updated by device ops only, so a CUDA-graph replay sees the current step.
+- ``sere_fx.vllm.slots`` makes vLLM's CPU fused-MoE kernel compute each token's distinct experts
+  once (``merge_slots``, on by default).
 - ``torch.ops.sere.record_routing`` (only when ``stats`` is set) adds per-layer counters on
   the device, without a host sync; ``worker_stats`` reads them for ``routing_stats`` and the
   server's ``/metrics`` (``sere_fx.vllm.metrics``).
@@ -34,6 +36,8 @@ from sere_fx.kernels import reroute_cpu
 from sere_fx.ops import free_experts, primary_mask, reroute_kernel
 from sere_fx.placement import Placement
 from sere_fx.policies import TOPK_POLICIES
+from sere_fx.stats import repeated_slots
+from sere_fx.vllm import slots
 from sere_fx.vllm.log import logger as _logger
 from sere_fx.vllm.routing import LayerRouting, RouterScores, install, predictor_refusal, uninstall
 from sere_fx.vllm.settings import (REQUEST_KEY, WHERE, EngineLayer, SettingsError, parse, request_reroutes, resolve_layers,
@@ -44,8 +48,11 @@ from sere_fx.vllm.settings import (REQUEST_KEY, WHERE, EngineLayer, SettingsErro
 # one re-routed row; the rest are sums over those calls (``prefill_rows``: real rows in them that
 # kept the model's routing: prompt rows of mixed batches, opted-out requests).
 # ``free_after``: distinct experts the re-routed rows read that kept rows read anyway.
+# ``slots_before`` / ``slots_after``: token-slots of the re-routed rows that the MoE kernel computes
+# without the plugin (K each) and with it (each row's distinct experts where the layer's kernel
+# merges slots in that step, ``sere_fx.vllm.slots``; K each where it does not).
 STAT_FIELDS = ("decode_steps", "decode_rows", "prefill_rows", "distinct_before", "distinct_after", "slots_rerouted",
-               "critical_kept", "free_after")
+               "critical_kept", "free_after", "slots_before", "slots_after")
 # With an expert-parallel placement (``ep_ranks``, or the engine's own EP): per call, the busiest
 # rank's distinct experts before / after and token-slots after, summed like the fields above.
 EP_STAT_FIELDS = ("max_rank_before", "max_rank_after", "max_rank_slots_after")
@@ -64,6 +71,7 @@ class _Engine:
         self.owner: dict[int, torch.Tensor] = {}  # layer -> each expert's EP rank, with a placement
         self.ep_ranks = 0
         self.layers: dict[int, LayerRouting] = {}
+        self.merging: set[int] = set()  # layers whose MoE kernel merges slots (sere_fx.vllm.slots)
         self.decode_only = True
         self.spec_decode = "reroute"
         self.opted_out: set[str] = set()
@@ -213,6 +221,11 @@ def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int
     primary = primary_mask(before, S, e, rank_values, rows) | free  # free experts count as primary
     n_rows = rows.sum()
     active = n_rows > 0
+    slots_before = n_rows * k
+    if layer in ENGINE.merging and _no_kept_rows(before):  # the kernel computes each row's distinct experts
+        slots_after = (~repeated_slots(after) & rows.unsqueeze(1)).sum()
+    else:
+        slots_after = slots_before
     values = torch.stack([
         active.double(),
         n_rows.double(),
@@ -222,6 +235,8 @@ def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int
         ((before != after) & rows.unsqueeze(1)).sum().double(),
         (seen_after & ~primary).sum().double(),
         (seen_after & free).sum().double(),
+        slots_before.double(),
+        slots_after.double(),
     ])
     ENGINE.stats[layer].add_(values.to(ENGINE.stats[layer].device))
     if layer in ENGINE.rank_stats:  # the busiest expert-parallel rank, on the device (no host sync)
@@ -230,9 +245,9 @@ def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int
             0, owner, mask.double())
         ids = after.long().clamp(0, e - 1)
         counted = rows.unsqueeze(1) & (after >= 0) & (after < e)
-        slots = torch.zeros(ranks, dtype=torch.float64, device=owner.device).index_add_(
+        rank_slots = torch.zeros(ranks, dtype=torch.float64, device=owner.device).index_add_(
             0, owner[ids].flatten(), counted.flatten().double())
-        ranked = torch.stack([per_rank(seen_before).max(), per_rank(seen_after).max(), slots.max()]) * active
+        ranked = torch.stack([per_rank(seen_before).max(), per_rank(seen_after).max(), rank_slots.max()]) * active
         ENGINE.rank_stats[layer].add_(ranked.to(ENGINE.rank_stats[layer].device))
     return after.clone()
 
@@ -403,6 +418,7 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
                           "(torch.distributed with gloo), not in a served engine",
                           vllm_config.parallel_config.data_parallel_size)
     installed = {}
+    ENGINE.merging = set()
     for runner_, layer in zip(runners, layers):
         plan = plans[layer.index]
         scores = RouterScores.of(runner_.router)
@@ -418,7 +434,14 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
                                 f"sere-fx cannot recompute ({scores.unsupported})")
         if plan.S >= layer.top_k and not settings.stats:
             uninstall(runner_.router)  # S = K leaves this layer's routing as it is (with stats: counted)
+            slots.uninstall(runner_)
             continue
+        if not settings.merge_slots:
+            slots.uninstall(runner_)
+        elif (why := slots.install(runner_)) is None:
+            ENGINE.merging.add(layer.index)
+        else:
+            ENGINE.warn_once(f"merge:{why}", "sere-fx: duplicate and weight-0 token-slots are not merged: %s", why)
         routing = LayerRouting(layer.index, plan, scores, matrices.get(layer.index), layer.num_experts, settings.stats,
                                reduce, native_rows=ENGINE.native)
         install(runner_.router, routing)
@@ -432,9 +455,10 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
     summary = ", ".join(f"{i}: {p.policy} S={p.S}" + (f" rho={p.rho:.3g}" if p.rho is not None else "")
                         + (f" N={p.N}" if p.N is not None else "") for i, p in sorted(plans.items()))
     speculative = vllm_config.speculative_config
-    _logger().info("sere-fx: re-routing %d of %d MoE layers of %s (%s); decode_only=%s, spec_decode=%s, stats=%s%s",
+    _logger().info("sere-fx: re-routing %d of %d MoE layers of %s (%s); decode_only=%s, spec_decode=%s, stats=%s, "
+                   "slots merged on %d layers%s",
                    len(installed), len(layers), architecture, summary, settings.decode_only,
-                   settings.spec_decode if speculative is not None else "n/a", settings.stats,
+                   settings.spec_decode if speculative is not None else "n/a", settings.stats, len(ENGINE.merging),
                    f"; draft model ({speculative.method}) left alone" if speculative is not None else "")
     return installed
 
@@ -448,7 +472,8 @@ def switch_routing(worker, raw) -> None:
         return
     for runner in _moe_runners(model):
         uninstall(runner.router)
-    ENGINE.layers, ENGINE.stats, ENGINE.rank_stats = {}, {}, {}
+        slots.uninstall(runner)
+    ENGINE.layers, ENGINE.stats, ENGINE.rank_stats, ENGINE.merging = {}, {}, {}, set()
 
 
 def worker_stats(worker=None) -> dict[int, dict[str, float]]:

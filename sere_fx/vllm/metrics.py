@@ -41,6 +41,9 @@ _COUNTERS = (
     ("sere_fx_critical_kept", "critical_kept", "non-primary experts kept, summed over steps"),
     ("sere_fx_distinct_experts_free", "free_after",
      "distinct experts the re-routed rows read that kept rows read anyway, summed over steps"),
+    ("sere_fx_token_slots_before", "slots_before", "token-slots of the re-routed rows without sere-fx (K per row)"),
+    ("sere_fx_token_slots_after", "slots_after",
+     "token-slots of the re-routed rows the MoE kernel computes (merged slots count once)"),
 )
 
 _COLLECTOR = None

@@ -35,7 +35,7 @@ from sere_fx.similarity import Similarity, layer_tensors, resolve
 SETTINGS_KEY = "sere"
 WHERE = f'additional_config["{SETTINGS_KEY}"]'
 _KEYS = ("sim", "S", "rho", "N", "policy", "plan", "decode_only", "spec_decode", "stats", "dp_loaded_set", "ep_ranks",
-         "ep_placement")
+         "ep_placement", "merge_slots")
 SPEC_DECODE = ("reroute", "keep")
 # The per-request switch: SamplingParams(extra_args={"sere": False}) keeps a request's rows on
 # the model's routing (``"vllm_xargs": {"sere": false}`` through the OpenAI server).
@@ -63,6 +63,7 @@ class EngineSettings:
     dp_loaded_set: bool = False  # data-parallel ranks agree on one primary / loaded set per layer call
     ep_ranks: int | None = None  # statistics also count the busiest of this many EP ranks
     ep_placement: str = "linear"
+    merge_slots: bool = True  # the CPU kernel computes each token's distinct experts once (sere_fx.vllm.slots)
     raw: dict = field(default_factory=dict, compare=False)
     routing: object = field(default=None, compare=False)  # the settings as configs (config.routing_spec)
 
@@ -115,7 +116,7 @@ def parse(raw) -> EngineSettings:
     unknown = sorted(set(raw) - set(_KEYS))
     if unknown:
         raise SettingsError(f"{WHERE}: unknown key {unknown[0]!r}; expected keys among {list(_KEYS)}")
-    for name in ("decode_only", "stats", "dp_loaded_set"):
+    for name in ("decode_only", "stats", "dp_loaded_set", "merge_slots"):
         if name in raw and not isinstance(raw[name], bool):
             raise SettingsError(f"{_key(name)}: expected true or false, got {raw[name]!r}")
     spec_decode = raw.get("spec_decode", "reroute")
@@ -175,6 +176,7 @@ def parse(raw) -> EngineSettings:
         dp_loaded_set=raw.get("dp_loaded_set", False),
         ep_ranks=ep_ranks,
         ep_placement=ep_placement,
+        merge_slots=raw.get("merge_slots", True),
         raw=dict(raw),
         routing=routing,
     )
