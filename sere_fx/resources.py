@@ -27,3 +27,10 @@ def testbed_chat_template() -> str:
     """A chat template for the test-bed (a base model without one): the messages' text in order,
     so chat requests to a server can be tried (``--chat-template``)."""
     return os.path.join(testbed_dir(), "chat_template.jinja")
+
+
+def lm_eval_tasks() -> str:
+    """The directory of sere-fx's lm-evaluation-harness tasks on the test-bed's text
+    (``--include_path``): ``sere_next_line`` (generate until a newline) and ``sere_next_line_ll``
+    (the same lines' log-likelihood)."""
+    return os.path.join(_DATA, "lm_eval")

@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+import doc_pages
+
 from sere_fx import Similarity
 from sere_fx.cli import main
 
@@ -362,8 +364,7 @@ def test_readme_tune_and_eval_commands(tmp_path, capsys, monkeypatch):
 
     from sere_fx.resources import testbed_model, testbed_text
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    block = re.search(r"```bash\n(sere-fx tune .*?)```", readme, re.S).group(1)
+    block = doc_pages.block("evaluation.md", "bash", "sere-fx tune ")
     commands = [" ".join(part.strip() for part in line.split("\\\n")) for line in re.split(r"\n(?=sere-fx )", block)]
     assert [c.split()[1] for c in commands] == ["tune", "eval"]
     monkeypatch.chdir(tmp_path)
@@ -407,13 +408,11 @@ def test_readme_quickstart_calibrate_and_inspect_as_typed(tmp_path, capsys, monk
     """The Quickstart's two commands with every value as typed, on the test-bed (its public text as
     the README's corpus.jsonl)."""
     import json
-    import re
     import shlex
 
     from sere_fx.resources import testbed_model, testbed_text
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    block = re.search(r"```bash\n(sere-fx calibrate --model DIR .*?)```", readme, re.S).group(1)
+    block = doc_pages.block("README.md", "bash", "sere-fx calibrate --model DIR ")
     commands = [shlex.split(c) for c in block.replace("\\\n", " ").strip().splitlines()]
     assert [c[:2] for c in commands] == [["sere-fx", "calibrate"], ["sere-fx", "inspect"]]
     monkeypatch.chdir(tmp_path)

@@ -9,6 +9,8 @@ import torch
 from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
+import doc_pages
+
 import sere_fx
 from sere_fx import LeastSimilarConfig, OEAConfig, Quantile, RandomConfig, SereConfig, TopKConfig, WeightConfig
 from sere_fx.compile import SereBackend
@@ -230,20 +232,42 @@ def test_compile_backend_reports_a_graph_whose_top_k_fits_no_matrix():
 
 def test_readme_config_example_as_written(tmp_path, monkeypatch, capsys):
     import os
-    import re
 
     from sere_fx import Similarity
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "# the config spelling" in b]
-    assert len(blocks) == 1
+    blocks = [doc_pages.block("transform.md", "python", "# the config spelling")]
     monkeypatch.chdir(tmp_path)
     os.makedirs("sere-demo")
     g = torch.Generator().manual_seed(0)
     Similarity({i: torch.rand(64, 64, generator=g) for i in range(4)}).save("sere-demo/sim.safetensors")  # as the demo writes
     scope = {}
-    exec(compile(blocks[0], "README.md", "exec"), scope)
+    exec(compile(blocks[0], "docs/transform.md", "exec"), scope)
     model = scope["model"]
     assert model.sere_settings.layers == {0: OEAConfig(S=2), 1: WeightConfig(S=1, N=0.6), 2: TopKConfig(S=4),
                                           3: WeightConfig(S=1, N=24, min_importance=0.05)}
     assert "1: WeightConfig(S=1, N=0.6, min_importance=None" in capsys.readouterr().out
+
+
+def test_readme_transformers_quick_start_as_written(tmp_path, monkeypatch, capsys):
+    """The README's transformers example, with the demo's similarity file (the test's own, calibrated
+    on the test-bed as the demo does)."""
+    import os
+
+    from sere_fx.calibration import calibrate
+    from sere_fx.resources import testbed_model
+    from transformers import AutoModelForCausalLM
+
+    code = doc_pages.block("README.md", "python", "sere_fx.transform(model, \"sere-demo/sim.safetensors\"")
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("sere-demo")
+    plain = AutoModelForCausalLM.from_pretrained(testbed_model())
+    windows = torch.randint(1, plain.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    calibrate(plain, [windows], progress=False).save("sere-demo/sim.safetensors")
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    stats = sere_fx.routing_stats(scope["model"])
+    assert sorted(stats) == [0, 1, 2, 3]
+    decode = [s for s in stats.values()]
+    assert all(s.calls > 0 and s.distinct_after < s.distinct_before for s in decode)
+    assert scope["out"].shape == (3, scope["batch"]["input_ids"].shape[1] + 16)
+    assert "'mean_distinct_after'" in capsys.readouterr().out

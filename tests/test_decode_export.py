@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+import doc_pages
+
 import sere_fx
 from sere_fx import exporters
 from sere_fx.discovery import find_moe_layers
@@ -126,8 +128,7 @@ def test_readme_generate_commands(testbed, tmp_path, monkeypatch, capsys):
     from sere_fx.cli import main
     from sere_fx.resources import testbed_model
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    block = re.search(r"```bash\n(sere-fx export [^`]*--cache static[^`]*)```", readme).group(1)
+    block = doc_pages.block("deployment.md", "bash", "--cache static")
     commands = [c.replace("\\\n", " ").replace("DIR", testbed_model()) for c in re.split(r"\n(?=sere-fx)", block.strip())]
     assert [c.split()[1] for c in commands] == ["export", "generate"]
     monkeypatch.chdir(tmp_path)

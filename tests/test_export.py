@@ -1,12 +1,13 @@
 """Exporters: pt2, aoti, onnx artifacts match the eager transformed model at two batch sizes."""
 
 import copy
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+import doc_pages
 
 import sere_fx
 from sere_fx import exporters
@@ -229,8 +230,8 @@ def test_readme_export_commands_on_the_testbed(tmp_path, monkeypatch, capsys):
     from sere_fx.cli import main
     from sere_fx.resources import testbed_model
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    commands = re.findall(r"`(sere-fx export --model DIR --sim sim\.safetensors --format (\w+) --out (\S+))`", readme)
+    commands = re.findall(r"`(sere-fx export --model DIR --sim sim\.safetensors --format (\w+) --out (\S+))`",
+                          doc_pages.page("deployment.md"))
     assert [c[1] for c in commands] == ["pt2", "aoti", "onnx", "tensorrt"]
     model = AutoModelForCausalLM.from_pretrained(testbed_model(), dtype=torch.float32).eval()  # as the CLI loads it
     monkeypatch.chdir(tmp_path)

@@ -8,7 +8,6 @@ import sere_fx
 from reference import weight_loop
 from sere_fx import Placement, WeightConfig
 from sere_fx.compile import SereBackend
-from sere_fx.discovery import find_moe_layers
 from sere_fx.evaluate import evaluate
 from sere_fx.placement import rank_load
 from sere_fx.policies import weight_select

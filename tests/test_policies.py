@@ -353,3 +353,25 @@ def test_sparse_experts_implementation_matches_eager(family, policy):
         model.set_experts_implementation("sere_sparse")
         got = model(ids).logits
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_merged_slots_generate_the_test_beds_tokens():
+    """On the test-bed in float32, SERE's re-routing through ``sere_sparse`` (each token's distinct
+    experts computed once, weight-0 slots skipped) generates the tokens transformers' own
+    ``grouped_mm`` (every slot computed) does."""
+    from transformers import AutoModelForCausalLM
+
+    from sere_fx.resources import testbed_model
+
+    model = AutoModelForCausalLM.from_pretrained(testbed_model(), dtype=torch.float32).eval()
+    sim = random_similarity(find_moe_layers(model), seed=9)
+    prompts = torch.randint(1, model.config.vocab_size, (8, 6), generator=torch.Generator().manual_seed(3))
+    outputs = {}
+    for implementation in ("grouped_mm", "sere_sparse"):
+        sere_fx.transform(model, sim, S=2, rho=0.0, stats=True, experts_implementation=implementation)
+        with torch.no_grad():
+            outputs[implementation] = model.generate(prompts, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        stats = sere_fx.routing_stats(model)
+        sere_fx.restore(model)
+    assert all(s.slots_after < s.slots_before for s in stats.values())  # there were slots to merge
+    assert torch.equal(outputs["sere_sparse"], outputs["grouped_mm"])

@@ -27,6 +27,7 @@ else:
     pytest.importorskip("vllm")
 
 from vllm_models import TESTBED_MODEL, TESTBED_TEXT, write_checkpoint, write_dense_checkpoint  # noqa: E402
+import doc_pages  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -252,13 +253,12 @@ def _free_port():
 
 
 def readme_block(language: str, must_contain: str) -> str:
-    """The README's fenced ``language`` block of the vLLM section that contains ``must_contain``."""
-    text = open(os.path.join(HERE, "..", "README.md")).read()
-    section = text.split("## Serving with vLLM", 1)[1].split("\n## ", 1)[0]
-    blocks = [b.split("```", 1)[0] for b in section.split(f"```{language}\n")[1:]]
-    found = [b for b in blocks if must_contain in b]
-    assert len(found) == 1, f"README: expected one {language} block with {must_contain!r}, found {len(found)}"
-    return found[0]
+    """The fenced ``language`` block with ``must_contain`` of the vLLM page (docs/serving.md), or of
+    the README's quick start."""
+    try:
+        return doc_pages.block("serving.md", language, must_contain)
+    except AssertionError:
+        return doc_pages.block("README.md", language, must_contain)
 
 
 README_ENV = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "4"}  # the one setting the README asks for on the CPU
@@ -389,9 +389,10 @@ def test_readme_server_example(readme_server):
     def total(name):
         return sum(v for k, v in series.items() if k.startswith(f"{name}_total{{"))
 
-    assert routing_counts(metrics) == (total("sere_fx_decode_steps"), total("sere_fx_distinct_experts_before"),
-                                       total("sere_fx_distinct_experts_after"), total("sere_fx_token_slots_before"),
-                                       total("sere_fx_token_slots_after"))
+    from vllm_serve import COUNTERS
+
+    assert routing_counts(metrics) == {short: total(name) for short, name in COUNTERS.items()}
+    assert routing_counts(metrics)["slots_after"] < routing_counts(metrics)["slots_before"]
 
 
 def test_a_seeded_request_alone_on_the_server_gives_the_same_samples_every_time(readme_server):
@@ -413,6 +414,38 @@ def test_a_seeded_request_alone_on_the_server_gives_the_same_samples_every_time(
         grew = lambda name: series[f"{name}_total{labels}"] - before.get(f"{name}_total{labels}", 0.0)  # noqa: E731
         assert grew("sere_fx_decode_steps") == 12 * 23, grew("sere_fx_decode_steps")
         assert grew("sere_fx_rows_rerouted") == 3 * 12 * 23 and grew("sere_fx_rows_kept") == 0
+
+
+def test_lm_eval_against_the_server(readme_server):
+    """lm-eval's ``local-completions`` route (docs/evaluation.md) against the README's server (SERE
+    S=2 rho=0): generation is re-routed, the same requests opted out are not, and log-likelihood
+    requests are prompts only (no decode step)."""
+    if not os.environ.get("CI"):  # CI installs the eval extra: there a missing lm-eval fails the test
+        pytest.importorskip("lm_eval")
+    from lm_eval_runs import GEN, LL, evaluate, lm_eval_commands, parsed
+
+    args = parsed(lm_eval_commands()["local-completions"]).model_args
+    args = {**args, "base_url": args["base_url"].replace("localhost:8000", f"127.0.0.1:{readme_server.port}"),
+            "tokenizer": TESTBED_MODEL}
+    port = readme_server.port
+    counters = ("sere_fx_decode_steps", "sere_fx_rows_rerouted", "sere_fx_rows_kept")
+
+    def grew(before, after):
+        return {name: sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(f"{name}_total"))
+                for name in counters}
+
+    s0, _ = routing_series(port)
+    sere = evaluate("local-completions", model_args=args, tasks=[GEN])
+    s1, _ = routing_series(port)
+    opted_out = evaluate("local-completions", model_args=args, tasks=[GEN], gen_kwargs={"vllm_xargs": {"sere": False}})
+    s2, _ = routing_series(port)
+    ll = evaluate("local-completions", model_args=args, tasks=[LL])
+    s3, _ = routing_series(port)
+    assert grew(s0, s1)["sere_fx_rows_rerouted"] > 0  # the concurrent requests' decode rows
+    assert grew(s1, s2)["sere_fx_rows_rerouted"] == 0  # every request opted out
+    assert grew(s2, s3)["sere_fx_decode_steps"] == 0  # log-likelihood: prompt processing only
+    assert sere["responses"][GEN] != opted_out["responses"][GEN]
+    assert 0.0 < sere["scores"][GEN]["edit_similarity"] < 1.0 and ll["scores"][LL]["perplexity"] > 1.0
 
 
 def test_a_request_value_that_is_not_true_or_false_is_refused(readme_server):
@@ -490,10 +523,8 @@ def readme_engine_calibration(workdir, out, tp: int):
     64 tokens, as the transformers reference below) and, for TP=1, the tensor-parallel size."""
     import shlex
 
-    text = open(os.path.join(HERE, "..", "README.md")).read()
-    block = [b.split("```", 1)[0] for b in text.split("```bash\n") if "calibrate --engine vllm" in b.split("```", 1)[0]]
-    assert len(block) == 1, block
-    argv = shlex.split(block[0].replace("\\\n", " "))
+    block = doc_pages.block("calibration.md", "bash", "calibrate --engine vllm")
+    argv = shlex.split(block.replace("\\\n", " "))
     env = dict(a.split("=", 1) for a in argv[:argv.index("sere-fx")])
     argv = argv[argv.index("sere-fx") + 1:]
     swap = {"DIR": TESTBED_MODEL, "corpus.jsonl": corpus_jsonl(workdir), "sim.safetensors": str(out), "400": "32",
