@@ -32,7 +32,9 @@ from vllm_children import (MODELS, config_of, model_and_similarity, parse_common
                            write_results)
 
 POLICIES = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2},
-            "weight": {"policy": "weight", "S": 1, "N": 0.6}}
+            "weight": {"policy": "weight", "S": 1, "N": 0.6},
+            # SERE with every token-slot computed (vLLM's kernel as before slot merging)
+            "sere_unmerged": {"S": 2, "rho": 0.0, "merge_slots": False}}
 MOE_KERNEL_NAMES = ("moe", "grouped_mm", "fused_experts")  # vLLM's CPU fused-MoE op names contain one of these
 
 

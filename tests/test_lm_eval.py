@@ -25,7 +25,7 @@ else:
 
 from lm_eval_runs import GEN, LIMIT, LL, evaluate, lm_eval_commands, parsed  # noqa: E402
 
-from sere_fx.resources import lm_eval_tasks, testbed_model, testbed_text  # noqa: E402
+from sere_fx import resources  # noqa: E402  (its testbed_* names would be collected as tests)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,17 +42,19 @@ def edit_similarity_loop(a: str, b: str) -> float:
 
 
 def test_tasks_are_held_out_lines_and_score_as_plain_loops():
-    sys.path.insert(0, lm_eval_tasks())
+    sys.path.insert(0, resources.lm_eval_tasks())
     try:
         import utils
     finally:
-        sys.path.remove(lm_eval_tasks())
+        sys.path.remove(resources.lm_eval_tasks())
     docs = utils.documents()
-    lines = open(testbed_text()).read().split("\n")
+    lines = open(resources.testbed_text()).read().split("\n")
     half = "\n".join(lines[: len(lines) // 2])
     assert len(docs) == 256
     for doc in docs:
-        assert doc["context"].count("\n") == 12 and len(doc["target"].strip()) >= 10
+        line = doc["context"].rsplit("\n", 1)[1] + doc["target"]  # the target's whole line
+        assert doc["context"].count("\n") == 12 and len(line.strip()) >= 10 and doc["target"].strip()
+        assert line.lstrip().split()[0] == doc["context"].rsplit("\n", 1)[1].strip()  # the prompt ends with its first word
         assert doc["context"] + doc["target"] not in half  # the held-out half only
     rng = np.random.default_rng(0)
     for doc in docs[:40]:
@@ -66,16 +68,16 @@ def test_tasks_are_held_out_lines_and_score_as_plain_loops():
 def test_the_documented_model_args_reach_each_model_as_settings():
     commands = lm_eval_commands()
     vllm = parsed(commands["vllm"]).model_args
-    assert vllm["additional_config"] == {"sere": {"sim": "sim.safetensors", "S": 2, "rho": 0.0}}, vllm
-    hf = parsed(commands["sere-hf"]).model_args
-    assert {k: hf[k] for k in ("sim", "S", "rho", "device", "batch_size")} == {
-        "sim": "sim.safetensors", "S": 2, "rho": 0.0, "device": "cpu", "batch_size": 32}
+    assert vllm == {"pretrained": "DIR", "additional_config": {"sere": {"sim": "sim.safetensors", "S": 2, "rho": 0.0}}}
+    hf = parsed(commands["sere-hf"])
+    assert hf.model_args == {"pretrained": "DIR", "sim": "sim.safetensors", "S": 2, "rho": 0.0}
+    assert hf.device == "cpu" and int(hf.batch_size) == 32
     server = parsed(commands["local-completions"]).model_args
     assert server["base_url"] == "http://localhost:8000/v1/completions" and server["num_concurrent"] == 32
     for argv in commands.values():
         args = parsed(argv)
         assert args.tasks == f"{GEN},{LL}" or args.tasks == [GEN, LL] or args.tasks == [f"{GEN},{LL}"], args.tasks
-        assert args.include_path == lm_eval_tasks()
+        assert args.include_path == resources.lm_eval_tasks()
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,7 @@ def testbed_sim(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     path = tmp_path_factory.mktemp("lm_eval") / "sim.safetensors"
-    model = AutoModelForCausalLM.from_pretrained(testbed_model())
+    model = AutoModelForCausalLM.from_pretrained(resources.testbed_model())
     windows = torch.randint(1, model.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0))
     calibrate(model, [windows], progress=False).save(path)
     return str(path)
@@ -95,7 +97,7 @@ def hf_runs(testbed_sim):
     """The transformers route: plain, SERE with nothing re-routed, SERE (rho 0), each as lm-eval runs it."""
     from sere_fx.harness import SereHFLM
 
-    common = dict(pretrained=testbed_model(), device="cpu", batch_size=LIMIT)
+    common = dict(pretrained=resources.testbed_model(), device="cpu", batch_size=LIMIT)
     runs = {"plain": evaluate(SereHFLM(**common)),
             "identity": evaluate(SereHFLM(**common, sim=testbed_sim, S=2, rho=2.0))}
     sere = SereHFLM(**common, sim=testbed_sim, S=2, rho=0.0, stats=True)
@@ -109,7 +111,7 @@ def hf_runs(testbed_sim):
 def test_transformers_route(hf_runs):
     plain, identity, sere = hf_runs["plain"], hf_runs["identity"], hf_runs["sere"]
     assert identity == plain  # nothing re-routed: every score and response the plain model's
-    assert 0.0 < plain["scores"][GEN]["edit_similarity"] < 1.0 and plain["scores"][LL]["perplexity"] > 1.0
+    assert 0.0 < plain["scores"][GEN]["edit_similarity"] < 1.0 and plain["scores"][LL]["nll_per_char"] > 0.0
     # log-likelihood requests are prompts: exactly the plain model's, and no router call re-routed
     assert hf_runs["sere_ll"]["responses"][LL] == plain["responses"][LL]
     assert hf_runs["sere_ll_calls"] == 0
@@ -126,14 +128,14 @@ def test_the_harness_command_line_as_documented(testbed_sim, tmp_path, monkeypat
     from sere_fx.harness import main
 
     argv = lm_eval_commands()["sere-hf"]
-    argv = [a.replace("pretrained=DIR", f"pretrained={testbed_model()}").replace("sim=sim.safetensors", f"sim={testbed_sim}")
+    argv = [a.replace("pretrained=DIR", f"pretrained={resources.testbed_model()}").replace("sim=sim.safetensors", f"sim={testbed_sim}")
             for a in argv]
     argv = argv[argv.index("run"):]
     argv[argv.index("--limit") + 1] = "4"
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert GEN in out and LL in out and "edit_similarity" in out and "perplexity" in out
+    assert GEN in out and LL in out and "edit_similarity" in out and "nll_per_char" in out
     bad = [a.replace("S=2", "S=99") for a in argv]
     assert main(bad) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -144,12 +146,12 @@ VLLM_SCRIPT = """
 import json, sys
 if __name__ == "__main__":
     sys.path.insert(0, {here!r})
-    from lm_eval.models.vllm_causallms import VLLM
+    from sere_fx.harness import vllm_model_class
     import sere_fx.vllm
     from lm_eval_runs import GEN, LL, evaluate
     sim = {sim!r}
     # lm-eval's vllm model as the documented command builds it (the plugin's settings in its model_args)
-    lm = VLLM(pretrained={model!r}, additional_config={{"sere": {{"sim": sim, "S": 2, "rho": 2.0, "stats": True}}}},
+    lm = vllm_model_class()(pretrained={model!r}, additional_config={{"sere": {{"sim": sim, "S": 2, "rho": 2.0, "stats": True}}}},
               enforce_eager=True, max_model_len=1024, dtype="bfloat16", batch_size="auto")
     out = {{"identity": evaluate(lm)}}
     out["identity_stats"] = sere_fx.vllm.routing_stats(lm.model)
@@ -171,7 +173,7 @@ def vllm_runs(testbed_sim, tmp_path_factory):
     else:
         pytest.importorskip("vllm")
     script = tmp_path_factory.mktemp("lm_eval_vllm") / "run.py"
-    script.write_text(VLLM_SCRIPT.format(here=HERE, sim=testbed_sim, model=testbed_model()))
+    script.write_text(VLLM_SCRIPT.format(here=HERE, sim=testbed_sim, model=resources.testbed_model()))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "TOKENIZERS_PARALLELISM": "false"}
     env.pop("TRITON_INTERPRET", None)
@@ -193,5 +195,5 @@ def test_vllm_offline_route(vllm_runs, hf_runs):
     assert sere["responses"][GEN] != plain["responses"][GEN]
     # the routes agree where they should: the plain engine and plain transformers (both bf16) on the
     # same log-likelihoods, to rounding
-    assert vllm_runs["plain"]["scores"][LL]["perplexity"] == pytest.approx(hf_runs["plain"]["scores"][LL]["perplexity"],
+    assert vllm_runs["plain"]["scores"][LL]["nll_per_char"] == pytest.approx(hf_runs["plain"]["scores"][LL]["nll_per_char"],
                                                                             rel=0.02)

@@ -445,7 +445,7 @@ def test_lm_eval_against_the_server(readme_server):
     assert grew(s1, s2)["sere_fx_rows_rerouted"] == 0  # every request opted out
     assert grew(s2, s3)["sere_fx_decode_steps"] == 0  # log-likelihood: prompt processing only
     assert sere["responses"][GEN] != opted_out["responses"][GEN]
-    assert 0.0 < sere["scores"][GEN]["edit_similarity"] < 1.0 and ll["scores"][LL]["perplexity"] > 1.0
+    assert 0.0 < sere["scores"][GEN]["edit_similarity"] < 1.0 and ll["scores"][LL]["nll_per_char"] > 0.0
 
 
 def test_a_request_value_that_is_not_true_or_false_is_refused(readme_server):

@@ -15,6 +15,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -138,6 +142,51 @@ int64_t merge_slots(const int32_t* ids, const float* weights, int64_t t, int64_t
   return m;
 }
 
+// A row of y added to a float32 accumulator; bfloat16 widened by a shift, which compilers vectorise
+// (c10::BFloat16's conversion is not inlined into a loop they can vectorise).
+template <typename scalar_t>
+inline void add_row(float* acc, const scalar_t* row, int64_t h) {
+  for (int64_t j = 0; j < h; ++j) acc[j] += static_cast<float>(row[j]);
+}
+
+template <>
+inline void add_row<c10::BFloat16>(float* acc, const c10::BFloat16* row, int64_t h) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+  for (int64_t j = 0; j < h; ++j) {
+    const uint32_t wide = static_cast<uint32_t>(bits[j]) << 16;
+    float value;
+    std::memcpy(&value, &wide, sizeof(value));
+    acc[j] += value;
+  }
+}
+
+// output[t] = the sum of the rows of y [M, H] whose pair belongs to token t (pairs come in token
+// order), accumulated in float32 and rounded once: one pass over y, no float32 copy of it.
+template <typename scalar_t>
+void sum_pairs_impl(const scalar_t* y, const int64_t* pair_token, int64_t m, scalar_t* out, int64_t t, int64_t h) {
+  std::vector<int64_t> start(t + 1, m);
+  for (int64_t p = m - 1; p >= 0; --p) start[pair_token[p]] = p;
+  for (int64_t i = t - 1; i >= 0; --i) start[i] = std::min(start[i], start[i + 1]);
+  at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(h);
+    for (int64_t i = begin; i < end; ++i) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t p = start[i]; p < start[i + 1]; ++p) add_row(acc.data(), y + p * h, h);
+      scalar_t* dst = out + i * h;
+      for (int64_t j = 0; j < h; ++j) dst[j] = static_cast<scalar_t>(acc[j]);
+    }
+  });
+}
+
+void sum_pairs(const at::Tensor& y, const int64_t* pair_token, int64_t m, at::Tensor& output) {
+  at::Tensor out = output.is_contiguous() ? output : at::empty_like(output, at::MemoryFormat::Contiguous);
+  const int64_t t = out.size(0), h = out.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "sum_pairs", [&] {
+    sum_pairs_impl<scalar_t>(y.data_ptr<scalar_t>(), pair_token, m, out.data_ptr<scalar_t>(), t, h);
+  });
+  if (!output.is_same(out)) output.copy_(out);
+}
+
 bool step_has_kept_rows(int64_t t) {
   if (!g_kept.defined()) return false;
   const uint8_t* kept = reinterpret_cast<const uint8_t*>(g_kept.data_ptr<bool>());
@@ -191,9 +240,7 @@ void fused_moe(at::Tensor& output, const at::Tensor& input, const at::Tensor& w1
     call_vllm_fused_moe(y, x, w13, w2, w13_bias, w2_bias, pair_weight.narrow(0, 0, m), pair_expert.narrow(0, 0, m),
                         false, act, isa);
   }
-  at::Tensor sum = at::zeros({t, output.size(1)}, output.options().dtype(at::kFloat));
-  sum.index_add_(0, tokens, y.to(at::kFloat));
-  output.copy_(sum);
+  sum_pairs(y, pair_token.data_ptr<int64_t>(), m, output);
 }
 
 // The pairs merge_slots makes, as tensors (tests compare them with a plain loop): (token [M],

@@ -170,7 +170,7 @@ def load_engine_op() -> bool:
             # does: both go into the name
             digest = hashlib.sha256(open(op, "rb").read() + open(SOURCE, "rb").read()).hexdigest()[:12]
             cpp_extension.load(name=f"sere_fx_engine_op_{digest}", sources=[op],
-                               extra_include_paths=[here], extra_cflags=["-O2"], is_python_module=False,
+                               extra_include_paths=[here], extra_cflags=["-O3"], is_python_module=False,
                                verbose=False)
 
             @torch.library.register_fake("sere_native::engine_reroute")

@@ -1,14 +1,18 @@
 """sere-fx's lm-evaluation-harness tasks on the test-bed's public text (no download).
 
-Each document is a place in the held-out half of ``eval_public.txt`` (the half that
-calibration and tuning on tokens 0:40000 never read): the 12 lines before it are the prompt, and
-the line itself is the target. ``sere_next_line`` generates the line (until a newline) and
-scores it by exact match and by character edit similarity, which moves on a model too small to
-get many lines exactly right; ``sere_next_line_ll`` scores the target's log-likelihood (prompt
-processing only: nothing a decode-time routing policy touches).
+Each document is a line in the held-out half of ``eval_public.txt`` (the half that calibration
+and tuning on tokens 0:40000 never read): the prompt is the 12 lines before it and the line's
+first word with its indentation (a prompt that ended at the newline would split a token the
+tokenizer keeps whole: a newline and the next line's indentation), and the target is the rest
+of the line. ``sere_next_line`` generates it (until a newline) and scores it by exact match and
+by character edit similarity, which moves on a model too small to get many lines exactly right;
+``sere_next_line_ll`` scores its log-likelihood per character and whether it is the greedy
+continuation (prompt processing only: nothing a decode-time routing policy touches).
 """
 
 from __future__ import annotations
+
+import re
 
 import datasets
 
@@ -31,7 +35,10 @@ def documents(max_docs: int = 256) -> list[dict]:
         seen += 1
         if seen % STRIDE:
             continue
-        docs.append({"context": "\n".join(lines[i - CONTEXT_LINES:i]) + "\n", "target": target})
+        head = re.match(r"\s*\S+", target).end()  # indentation and first word
+        if not target[head:].strip():
+            continue
+        docs.append({"context": "\n".join(lines[i - CONTEXT_LINES:i]) + "\n" + target[:head], "target": target[head:]})
         if len(docs) == max_docs:
             break
     return docs
@@ -40,6 +47,13 @@ def documents(max_docs: int = 256) -> list[dict]:
 def load_docs(**kwargs) -> dict:
     """lm-eval's ``custom_dataset``: the documents as a ``test`` split."""
     return {"test": datasets.Dataset.from_list(documents())}
+
+
+def process_results_ll(doc: dict, results: list) -> dict:
+    """The target's negative log-likelihood per character (comparable across documents, unlike
+    lm-eval's per-document perplexity) and whether it is the greedy continuation."""
+    loglikelihood, is_greedy = results[0]
+    return {"nll_per_char": -loglikelihood / len(doc["target"]), "acc": float(is_greedy)}
 
 
 def process_results(doc: dict, results: list) -> dict:
