@@ -385,24 +385,19 @@ def cmd_eval(args) -> int:
     if windows.shape[0] < args.batch_size:
         return _error("eval", f"--batch-size: expected at most the {windows.shape[0]} sequences {args.data} gives, "
                               f"got {args.batch_size}")
-    try:
+    def run():
         if engine_kwargs is not None:
             from sere_fx.vllm.evaluate import evaluate_engine
 
             llm = _start_decode_engine(args, engine_kwargs)
-            report = evaluate_engine(llm, windows, args.policies, args.sim, batch_size=args.batch_size,
-                                     prefill=args.prefill)
-        else:
-            report = evaluate(model, windows, args.policies, sim, batch_size=args.batch_size, prefill=args.prefill,
-                              max_tokens=args.max_tokens, placement=placement)
-    except ArgumentError as exc:
-        if exc.arg == "policy":  # a spec the model refuses (S above a layer's top-k), before the baseline pass
-            return _error("eval", f"--policies: {exc}")
-        raise
-    dropped = report.config["dropped_sequences"]
-    if dropped:
-        print(f"note: {dropped} of {windows.shape[0]} sequences left out: not a full batch of {args.batch_size}",
-              file=sys.stderr)
+            return evaluate_engine(llm, windows, args.policies, args.sim, batch_size=args.batch_size,
+                                   prefill=args.prefill)
+        return evaluate(model, windows, args.policies, sim, batch_size=args.batch_size, prefill=args.prefill,
+                        max_tokens=args.max_tokens, placement=placement)
+
+    report = _evaluated(run, windows, args.batch_size)
+    if isinstance(report, int):
+        return report
     print(report.table())
     for a, b in args.compare or []:
         c = report.compare(a, b)
@@ -413,9 +408,26 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _evaluated(run, windows, batch_size: int):
+    """``run()``'s report, or the exit status when the model refuses a spec (S above a layer's
+    top-k: found before the baseline pass); says how many sequences a partial batch left out."""
+    from sere_fx.errors import ArgumentError
+
+    try:
+        report = run()
+    except ArgumentError as exc:
+        if exc.arg == "policy":
+            return _error("eval", f"--policies: {exc}")
+        raise
+    dropped = report.config["dropped_sequences"]
+    if dropped:
+        print(f"note: {dropped} of {windows.shape[0]} sequences left out: not a full batch of {batch_size}",
+              file=sys.stderr)
+    return report
+
+
 def _eval_generate(args, specs, sim, engine_kwargs, placement) -> int:
     """``eval --generate``: free-running batched greedy decode (``sere_fx.generation``)."""
-    from sere_fx.errors import ArgumentError
     from sere_fx.generation import evaluate_generation
 
     if engine_kwargs is not None:
@@ -431,17 +443,11 @@ def _eval_generate(args, specs, sim, engine_kwargs, placement) -> int:
     if windows.shape[0] < args.batch_size:
         return _error("eval", f"--batch-size: expected at most the {windows.shape[0]} sequences {args.data} gives, "
                               f"got {args.batch_size}")
-    try:
-        report = evaluate_generation(model, windows, specs, sim, batch_size=args.batch_size, prefill=args.prefill,
-                                     max_tokens=args.max_tokens)
-    except ArgumentError as exc:
-        if exc.arg == "policy":
-            return _error("eval", f"--policies: {exc}")
-        raise
-    dropped = report.config["dropped_sequences"]
-    if dropped:
-        print(f"note: {dropped} of {windows.shape[0]} sequences left out: not a full batch of {args.batch_size}",
-              file=sys.stderr)
+    report = _evaluated(lambda: evaluate_generation(model, windows, specs, sim, batch_size=args.batch_size,
+                                                    prefill=args.prefill, max_tokens=args.max_tokens),
+                        windows, args.batch_size)
+    if isinstance(report, int):
+        return report
     print(report.table())
     print(f"wrote {report.save(args.out_dir)}")
     return 0
