@@ -348,8 +348,16 @@ def run(args) -> dict:
                               f"{res['output_throughput']:8.1f} tok/s", flush=True)
             finally:
                 server.stop()
+            save_partial(args, runs)
     counts = {} if args.no_counts else count_experts(model, settings, datasets, points, args, max_seqs)
     return summarize(args, config, runs, counts, points, datasets)
+
+
+def save_partial(args, runs: dict) -> None:
+    """Every finished server run's raw figures, written beside ``--out`` (``<out>.partial.json``) so
+    that an interrupted run of an hour keeps what it measured; removed once the results are written."""
+    with open(os.path.splitext(args.out)[0] + ".partial.json", "w") as f:
+        json.dump({"config": {k: v for k, v in vars(args).items()}, "runs": runs}, f, indent=1)
 
 
 def settled_counts(server: Server, timeout_s: float = 15.0) -> dict[str, float]:
@@ -644,6 +652,9 @@ def main(argv=None) -> dict:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.splitext(args.out)[0] + ".png")
+    partial = os.path.splitext(args.out)[0] + ".partial.json"
+    if os.path.exists(partial):
+        os.remove(partial)
     print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.png")
     return results
 

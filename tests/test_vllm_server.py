@@ -175,6 +175,12 @@ def test_lm_eval_against_the_server(readme_server):
     assert grew(s2, s3)["sere_fx_decode_steps"] == 0  # log-likelihood: prompt processing only
     assert sere["responses"][GEN] != opted_out["responses"][GEN]
     assert 0.0 < sere["scores"][GEN]["edit_similarity"] < 1.0 and ll["scores"][LL]["nll_per_char"] > 0.0
+    # the routes agree where they should: the server's log-likelihoods are plain transformers' (both
+    # bf16), to rounding
+    from sere_fx.harness import SereHFLM
+
+    hf = evaluate(SereHFLM(pretrained=TESTBED_MODEL, device="cpu", batch_size=32), tasks=[LL])
+    assert ll["scores"][LL]["nll_per_char"] == pytest.approx(hf["scores"][LL]["nll_per_char"], rel=0.02)
 
 
 def test_a_request_value_that_is_not_true_or_false_is_refused(readme_server):
