@@ -87,6 +87,13 @@ def random_similarity(model_dir: str, out: str) -> str:
 
 
 MODELS = ("testbed", "qwen3-30b-a3b-shape")
+# The benchmarks' routing settings by name (the plugin's ``additional_config["sere"]``; None: plain
+# vLLM). SERE's similarity file is added per model.
+POLICIES = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2},
+            "weight": {"policy": "weight", "S": 1, "N": 0.6},
+            # the same SERE with every slot computed (vLLM's kernel as before slot merging)
+            "sere_unmerged": {"S": 2, "rho": 0.0, "merge_slots": False},
+            "weight50": {"policy": "weight", "S": 1, "N": 0.5}, "output50": {"policy": "output", "S": 1, "N": 0.5}}
 
 
 def model_and_similarity(name: str, cache: str, layers: int = 2, sim: str | None = None) -> tuple[str, str]:

@@ -55,15 +55,13 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_children import HERE, MODELS, TESTBED, model_and_similarity  # noqa: E402
+from vllm_children import POLICIES as BENCH_POLICIES  # noqa: E402
 
 sys.path.insert(0, os.path.join(HERE, ".."))
 from sere_fx.benchmark import time_fn  # noqa: E402
 
-POLICIES = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2},
-            "weight": {"policy": "weight", "S": 1, "N": 0.6}, "plan": {},
-            # the same SERE with every slot computed (the kernel as before slot merging)
-            "sere_unmerged": {"S": 2, "rho": 0.0, "merge_slots": False},
-            "weight50": {"policy": "weight", "S": 1, "N": 0.5}, "output50": {"policy": "output", "S": 1, "N": 0.5}}
+POLICIES = {**BENCH_POLICIES, "plan": {}}  # plan: a tuned plan file (--plan)
+DEFAULT_POLICIES = ["plain", "sere", "oea", "weight", "plan"]
 DEFAULT_PLAN = os.path.join(HERE, "results", "plan_A_experts0.6_weight_perlayer.json")
 METRICS = {"tpot": "mean_tpot_ms", "itl": "median_itl_ms", "ttft": "median_ttft_ms", "throughput": "output_throughput"}
 
@@ -588,7 +586,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=MODELS, default="testbed")
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the Qwen3-30B-A3B-shaped model")
-    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=DEFAULT_POLICIES)
     p.add_argument("--plan", default=DEFAULT_PLAN, help="the tuned plan of policy 'plan'")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson request rates (requests/s)")

@@ -28,13 +28,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_children import (MODELS, config_of, model_and_similarity, parse_common, run_settings,  # noqa: E402
+from vllm_children import (MODELS, POLICIES, config_of, model_and_similarity, parse_common, run_settings,  # noqa: E402
                            write_results)
 
-POLICIES = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea", "S": 2},
-            "weight": {"policy": "weight", "S": 1, "N": 0.6},
-            # SERE with every token-slot computed (vLLM's kernel as before slot merging)
-            "sere_unmerged": {"S": 2, "rho": 0.0, "merge_slots": False}}
 MOE_KERNEL_NAMES = ("moe", "grouped_mm", "fused_experts")  # vLLM's CPU fused-MoE op names contain one of these
 
 
@@ -86,7 +82,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batches", type=int, nargs="+", default=[32], help="batch sizes (concurrent requests)")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=["plain", "sere", "oea", "weight"])
     p.add_argument("--cache", default="/tmp/sere-bench", help="where a generated model goes")
     p.add_argument("--top", type=int, default=0, help="also print the N most expensive ops of each engine")
     args = parse_common(p, one_engine, argv)

@@ -148,7 +148,7 @@ class GenerationReport:
         return path
 
 
-def _bootstrap(values: np.ndarray, resamples: int = 2000, seed: int = 0) -> list:
+def mean_interval(values: np.ndarray, resamples: int = 2000, seed: int = 0) -> list:
     """95% interval of the mean of ``values [N]`` over sequences (the same resamples for every
     measure and policy: the generator is seeded alike)."""
     rng = np.random.default_rng(seed)
@@ -167,10 +167,10 @@ def generation_report(generated: list, reference: np.ndarray, config: dict) -> G
         sim_base = np.array([edit_similarity(t, b) for t, b in zip(tokens, base)])
         sim_ref = np.array([edit_similarity(t, r) for t, r in zip(tokens, reference)])
         results.append(GenerationResult(
-            label=label, agreement=float(agree.mean()), agreement_ci=_bootstrap(agree),
-            sim_baseline=float(sim_base.mean()), sim_baseline_ci=_bootstrap(sim_base),
-            sim_reference=float(sim_ref.mean()), sim_reference_ci=_bootstrap(sim_ref),
-            dsim_reference=float((sim_ref - base_ref).mean()), dsim_reference_ci=_bootstrap(sim_ref - base_ref),
+            label=label, agreement=float(agree.mean()), agreement_ci=mean_interval(agree),
+            sim_baseline=float(sim_base.mean()), sim_baseline_ci=mean_interval(sim_base),
+            sim_reference=float(sim_ref.mean()), sim_reference_ci=mean_interval(sim_ref),
+            dsim_reference=float((sim_ref - base_ref).mean()), dsim_reference_ci=mean_interval(sim_ref - base_ref),
             distinct=float(np.mean(list(distinct.values()))), distinct_per_layer={str(k): v for k, v in distinct.items()},
             settings=settings))
     return GenerationReport(results, config, {label: tokens.numpy() for label, tokens, _, _ in generated})
