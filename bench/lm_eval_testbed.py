@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_children import POLICIES, TESTBED_MODEL, testbed_similarity, write_results  # noqa: E402
+from vllm_children import POLICIES, TESTBED_MODEL, policy_settings, testbed_similarity, write_results  # noqa: E402
 
 GEN, LL = "sere_next_line", "sere_next_line_ll"
 GEN_METRICS = ("exact_match", "edit_similarity")
@@ -29,16 +29,29 @@ GEN_METRICS = ("exact_match", "edit_similarity")
 def evaluate(lm, task: str, limit: int) -> dict:
     """``{"scores": {metric: mean}, "docs": {metric: [per document, by doc_id]}}`` of one task."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    from sere_fx.resources import lm_eval_tasks
+    from sere_fx.harness import task_manager
 
     out = lm_eval.simple_evaluate(model=lm, tasks=[task], limit=limit, log_samples=True, bootstrap_iters=0,
-                                  task_manager=TaskManager(include_path=lm_eval_tasks(), include_defaults=False))
+                                  task_manager=task_manager())
     samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
     metrics = [k.split(",")[0] for k in out["results"][task] if k.endswith(",none") and "stderr" not in k]
     return {"scores": {m: out["results"][task][f"{m},none"] for m in metrics},
             "docs": {m: [float(s[m]) for s in samples] for m in metrics}}
+
+
+def routed(lm, sere: dict | None, task: str, limit: int) -> dict:
+    """``evaluate`` with the plugin's settings ``sere`` on every worker (None: plain), and the
+    counters of that pass; the engine routes plainly again afterwards (counters cleared)."""
+    import sere_fx.vllm
+
+    if sere is None:
+        return evaluate(lm, task, limit)
+    lm.model.collective_rpc("sere_switch_routing", args=(sere,))
+    try:
+        return {**evaluate(lm, task, limit), "counters": layer_means(sere_fx.vllm.routing_stats(lm.model))}
+    finally:
+        lm.model.collective_rpc("sere_switch_routing", args=(None,))
 
 
 def layer_means(stats: dict) -> dict:
@@ -50,42 +63,29 @@ def layer_means(stats: dict) -> dict:
 def run(args) -> dict:
     import numpy as np
 
-    import sere_fx.vllm
     from sere_fx.generation import mean_interval
     from sere_fx.harness import vllm_model_class
 
     sim = testbed_similarity(args.sim)
-    settings = {name: None if POLICIES[name] is None else {**POLICIES[name], "stats": True} for name in args.policies}
-    for s in settings.values():
-        if s is not None and s.get("policy", "sere") == "sere":
-            s["sim"] = sim
-    first = next(s for s in settings.values() if s is not None)
-    lm = vllm_model_class()(pretrained=TESTBED_MODEL, additional_config={"sere": first}, enforce_eager=True,
-                            max_model_len=1024, dtype="bfloat16", batch_size="auto", seed=0)
+    settings = {name: policy_settings(name, sim, stats=True) for name in args.policies}
+    sere = policy_settings("sere", sim, stats=True)  # the log-likelihood pass's, whatever --policies holds
+    # started with the plugin (it attaches to the engine at start), then switched per pass
+    lm = vllm_model_class()(pretrained=TESTBED_MODEL, additional_config={"sere": sere},
+                            enforce_eager=True, max_model_len=1024, dtype="bfloat16", batch_size="auto", seed=0)
+    lm.model.collective_rpc("sere_switch_routing", args=(None,))
     results = {"config": vars(args), "policies": {}}
-    for name, sere in settings.items():
+    for name, raw in settings.items():
         started = time.time()
-        lm.model.collective_rpc("sere_switch_routing", args=(None,))  # clears the counters
-        if sere is not None:
-            lm.model.collective_rpc("sere_switch_routing", args=(sere,))
-        run_ = evaluate(lm, GEN, args.limit)
-        if sere is not None:
-            run_["counters"] = layer_means(sere_fx.vllm.routing_stats(lm.model))
-        results["policies"][name] = run_
-        print(f"{name}: {run_['scores']} ({time.time() - started:.0f} s)", flush=True)
+        results["policies"][name] = routed(lm, raw, GEN, args.limit)
+        print(f"{name}: {results['policies'][name]['scores']} ({time.time() - started:.0f} s)", flush=True)
     base = results["policies"]["plain"]["docs"]
-    for name, run_ in results["policies"].items():
+    for run_ in results["policies"].values():
         run_["paired"] = {}
         for m in GEN_METRICS:
             d = np.array(run_["docs"][m]) - np.array(base[m])
             run_["paired"][m] = {"mean": float(d.mean()), "ci95": mean_interval(d)}
-    ll = {}
-    for name in ("plain", "sere"):
-        lm.model.collective_rpc("sere_switch_routing", args=(None,))
-        if settings.get(name) is not None:
-            lm.model.collective_rpc("sere_switch_routing", args=(settings[name],))
-        ll[name] = evaluate(lm, LL, args.limit)["scores"]
-    results["loglikelihood"] = ll
+    results["loglikelihood"] = {"plain": routed(lm, None, LL, args.limit)["scores"],
+                                "sere": routed(lm, sere, LL, args.limit)["scores"]}
     return results
 
 

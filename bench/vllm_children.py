@@ -96,6 +96,17 @@ POLICIES = {"plain": None, "sere": {"S": 2, "rho": 0.0}, "oea": {"policy": "oea"
             "weight50": {"policy": "weight", "S": 1, "N": 0.5}, "output50": {"policy": "output", "S": 1, "N": 0.5}}
 
 
+def policy_settings(name: str, sim: str, **extra) -> dict | None:
+    """``POLICIES[name]`` as the plugin's settings, with ``sim`` for the policies that read a
+    similarity file and ``extra`` added (None: plain vLLM)."""
+    if POLICIES[name] is None:
+        return None
+    settings = {**POLICIES[name], **extra}
+    if settings.get("policy", "sere") == "sere":
+        settings["sim"] = sim
+    return settings
+
+
 def model_and_similarity(name: str, cache: str, layers: int = 2, sim: str | None = None) -> tuple[str, str]:
     """``(model dir, similarity file)`` for a benchmark model name (``MODELS``)."""
     if name == "testbed":

@@ -54,7 +54,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_children import HERE, MODELS, TESTBED, model_and_similarity  # noqa: E402
+from vllm_children import HERE, MODELS, TESTBED, model_and_similarity, policy_settings  # noqa: E402
 from vllm_children import POLICIES as BENCH_POLICIES  # noqa: E402
 
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -302,17 +302,7 @@ def max_seqs_for(args) -> int:
 
 
 def settings_for(args, sim: str) -> dict:
-    out = {}
-    for name in args.policies:
-        if name == "plan":
-            out[name] = {"plan": args.plan}
-        elif POLICIES[name] is None:
-            out[name] = None
-        else:
-            out[name] = dict(POLICIES[name])
-            if out[name].get("policy", "sere") == "sere":
-                out[name]["sim"] = sim
-    return out
+    return {name: {"plan": args.plan} if name == "plan" else policy_settings(name, sim) for name in args.policies}
 
 
 def run(args) -> dict:
@@ -351,11 +341,15 @@ def run(args) -> dict:
     return summarize(args, config, runs, counts, points, datasets)
 
 
+def partial_path(out: str) -> str:
+    """Where every finished server run's raw figures go while a run lasts (``<out>.partial.json``),
+    so that an interrupted run of an hour keeps what it measured; removed once ``out`` is written."""
+    return os.path.splitext(out)[0] + ".partial.json"
+
+
 def save_partial(args, runs: dict) -> None:
-    """Every finished server run's raw figures, written beside ``--out`` (``<out>.partial.json``) so
-    that an interrupted run of an hour keeps what it measured; removed once the results are written."""
-    with open(os.path.splitext(args.out)[0] + ".partial.json", "w") as f:
-        json.dump({"config": {k: v for k, v in vars(args).items()}, "runs": runs}, f, indent=1)
+    with open(partial_path(args.out), "w") as f:
+        json.dump({"config": vars(args), "runs": runs}, f, indent=1)
 
 
 def settled_counts(server: Server, timeout_s: float = 15.0) -> dict[str, float]:
@@ -650,9 +644,8 @@ def main(argv=None) -> dict:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.splitext(args.out)[0] + ".png")
-    partial = os.path.splitext(args.out)[0] + ".partial.json"
-    if os.path.exists(partial):
-        os.remove(partial)
+    if os.path.exists(partial_path(args.out)):
+        os.remove(partial_path(args.out))
     print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.png")
     return results
 

@@ -28,8 +28,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_children import (MODELS, POLICIES, config_of, model_and_similarity, parse_common, run_settings,  # noqa: E402
-                           write_results)
+from vllm_children import (MODELS, POLICIES, config_of, model_and_similarity, parse_common, policy_settings,  # noqa: E402
+                           run_settings, write_results)
 
 MOE_KERNEL_NAMES = ("moe", "grouped_mm", "fused_experts")  # vLLM's CPU fused-MoE op names contain one of these
 
@@ -90,12 +90,7 @@ def main(argv=None) -> dict:
         return {}
     model, sim = model_and_similarity(args.model, args.cache, args.layers, args.sim)
     layers = json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"]
-    settings = {}
-    for name in args.policies:
-        sere = None if POLICIES[name] is None else dict(POLICIES[name])
-        if sere is not None and sere.get("policy", "sere") == "sere":
-            sere["sim"] = sim
-        settings[name] = sere
+    settings = {name: policy_settings(name, sim) for name in args.policies}
     raw = run_settings(os.path.abspath(__file__), settings,
                        {"model": model, "batches": args.batches, "warmup": args.warmup, "tokens": args.tokens},
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})

@@ -26,6 +26,7 @@ build's version with ``+cpu``), for lm-eval's vllm module only.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 
@@ -38,6 +39,18 @@ from sere_fx.model_transform import DEFAULT_MAX_TOKENS, routing_stats, transform
 from sere_fx.policies import bypass
 
 SETTINGS = ("S", "rho", "policy", "N", "plan")
+
+
+@functools.cache
+def task_manager():
+    """lm-eval's task index of sere-fx's own tasks only (``sere_fx.resources.lm_eval_tasks()``;
+    indexing lm-eval's ~14k task files as well takes seconds each time), made once per process:
+    ``lm_eval.simple_evaluate(..., task_manager=task_manager())``."""
+    from lm_eval.tasks import TaskManager
+
+    from sere_fx.resources import lm_eval_tasks
+
+    return TaskManager(include_path=lm_eval_tasks(), include_defaults=False)
 
 
 @register_model("sere-hf")

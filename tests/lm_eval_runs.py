@@ -14,26 +14,15 @@ GEN, LL = "sere_next_line", "sere_next_line_ll"
 LIMIT = 32  # documents per task: one batch of 32 decode rows
 
 
-_TASK_MANAGER = []
-
-
-def task_manager():
-    """lm-eval's task index of sere-fx's tasks only (indexing lm-eval's own ~14k task files takes
-    seconds each time), made once per process."""
-    from lm_eval.tasks import TaskManager
-
-    if not _TASK_MANAGER:
-        _TASK_MANAGER.append(TaskManager(include_path=lm_eval_tasks(), include_defaults=False))
-    return _TASK_MANAGER[0]
-
-
 def evaluate(model, tasks=(GEN, LL), model_args=None, **kwargs) -> dict:
     """``lm_eval.simple_evaluate`` on sere-fx's tasks: ``{"scores": {task: {metric: value}},
     "responses": {task: [each document's response]}}``."""
     import lm_eval
 
+    from sere_fx import harness
+
     out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), limit=LIMIT,
-                                  task_manager=task_manager(), log_samples=True, bootstrap_iters=0, **kwargs)
+                                  task_manager=harness.task_manager(), log_samples=True, bootstrap_iters=0, **kwargs)
     scores = {task: {k.split(",")[0]: v for k, v in metrics.items() if k.endswith(",none")}
               for task, metrics in out["results"].items()}
     responses = {task: [s["resps"] for s in sorted(samples, key=lambda s: s["doc_id"])]
