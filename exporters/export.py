@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from sere_fx.config import RowRanges
+
 from sere_fx.errors import ArgumentFileNotFoundError, ArgumentTypeError, ArgumentValueError
 
 FORMATS = ("pt2", "aoti", "onnx", "tensorrt")
@@ -63,6 +65,12 @@ def _experts_implementation(model: nn.Module, name: str | None):
 
 def _check_exportable(model: nn.Module) -> None:
     settings = getattr(model, "sere_settings", None)
+    ranged = sorted(i for i, lp in (settings.layers.items() if settings is not None else ())
+                    if isinstance(lp, RowRanges) and any(c.policy == "topk" for _, c in lp.ranges))
+    if ranged:
+        raise ArgumentValueError(
+            "plan", f"plan: policy 'topk' in a range (layers {ranged}) changes the number of routed slots, so a graph "
+                    "cannot keep it beside the other ranges' branches; use 'oea' or 'weight' there, which keep K slots")
     if settings is not None and settings.max_tokens is not None:
         topk = sorted(i for i, lp in settings.layers.items() if lp.policy == "topk")
         if topk:

@@ -25,7 +25,7 @@ from sere_fx.errors import ArgumentValueError
 from sere_fx.model_transform import DEFAULT_MAX_TOKENS, check_max_tokens
 from sere_fx.passes.matcher import RoutingMatchError, find_routing_sites, node_shape, op_kind
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
-from sere_fx.similarity import as_similarity, layer_tensors
+from sere_fx.similarity import as_similarity, layer_predictors, layer_tensors
 
 
 def _layer_of(node: fx.Node) -> tuple[int, str] | None:
@@ -46,6 +46,18 @@ def _inductor(gm, example_inputs):
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs)
+
+
+def _bake(gm: fx.GraphModule, name: str, tensor: torch.Tensor, device) -> str:
+    """``tensor`` as a float32 buffer ``name`` of ``gm``. AOT lifts a Dynamo graph's buffers by the
+    source Dynamo recorded for each, so the new buffer is given a constant source."""
+    gm.register_buffer(name, tensor.to(torch.float32).to(device))
+    sources = getattr(gm, "_param_name_to_source", None)
+    if sources is not None:
+        from torch._dynamo.source import ConstantSource
+
+        sources[name] = ConstantSource(name)
+    return name
 
 
 class SereBackend:
@@ -138,22 +150,20 @@ class SereBackend:
         matrices = {i: self.sim[i] for i in found} if self.sim is not None else None
         plan = plan_for_layers(restrict(self.spec, found), layers, matrices)
         tensors = layer_tensors(self.sim, layers, plan, matrices) if self.sim is not None else {}
+        predictors = layer_predictors(self.sim, layers, plan) if self.sim is not None else {}
         for index, (site, layer) in sorted(found.items()):
             lp = plan[index]
             if lp.policy == "random":
                 raise ArgumentValueError("policy", f"policy[{index}]: 'random' is an evaluation ablation; the compile "
                                                    "backend does not support it (use sere_fx.transform for it)")
-            name = None
-            if lp.layer_tensor:  # a similarity matrix or an output-size predictor, baked in as a buffer
-                name = f"sere_similarity_{index}"
-                value = site.scores.meta.get("example_value", site.scores.meta.get("val"))
-                gm.register_buffer(name, tensors[index].to(torch.float32).to(value.device))
-                sources = getattr(gm, "_param_name_to_source", None)
-                if sources is not None:
-                    from torch._dynamo.source import ConstantSource
-
-                    sources[name] = ConstantSource(name)
-            insert_policy(gm.graph, site, lp, self.max_tokens, SiteAttrs(similarity=name), where=layer.name)
+            value = site.scores.meta.get("example_value", site.scores.meta.get("val"))
+            # a similarity matrix or an output-size predictor, baked in as a buffer (and a predictor
+            # beside a similarity for a layer whose ranges read both)
+            name = _bake(gm, f"sere_similarity_{index}", tensors[index], value.device) if lp.layer_tensor else None
+            predictor = (_bake(gm, f"sere_predictor_{index}", predictors[index], value.device)
+                         if lp.needs_similarity and lp.needs_predictor else None)
+            insert_policy(gm.graph, site, lp, self.max_tokens, SiteAttrs(similarity=name, predictor=predictor),
+                          where=layer.name)
         gm.graph.lint()
         gm.recompile()
         self.layers_rewritten |= set(found)

@@ -239,6 +239,96 @@ class OutputConfig(WeightConfig):
     needs_predictor: ClassVar[bool] = True
 
 
+@dataclass(frozen=True)
+class OffConfig(RoutingConfig):
+    """``off``: the model's own routing. No op is called and nothing is re-routed: the layer computes
+    exactly as without sere-fx. A setting of plans whose ranges leave some batch sizes alone
+    (``RowRanges``); not a policy of its own (``transform(model, None, OffConfig())`` is the plain model)."""
+
+    policy: ClassVar[str] = "off"
+
+    def for_layer(self, layer, matrix=None):
+        return self  # S is not read
+
+    def as_dict(self) -> dict:
+        return {"policy": "off"}
+
+
+OFF = OffConfig()
+
+
+@dataclass(frozen=True, init=False)
+class RowRanges(RoutingConfig):
+    """Settings that follow the load: ``ranges`` is ``((min_rows, config), ...)``, ascending from 1; a call
+    (a decode step) with ``rows`` re-routed rows uses the config of the last range whose ``min_rows`` is
+    at most ``rows`` (``select``). A config may be ``OFF``. Plan files spell it as ``{"ranges":
+    [{"min_rows": 1, "layers": {...}}, ...]}`` (``sere_fx.plan``); every front-end picks the range per call."""
+
+    ranges: tuple = ()
+
+    policy: ClassVar[str] = "ranges"
+
+    def __init__(self, ranges):  # ``RowRanges(((1, SereConfig()), (64, OFF)))``: the ranges by position
+        object.__setattr__(self, "ranges", ranges)
+        self.__post_init__()
+
+    def __post_init__(self):
+        ranges = self.ranges
+        if not isinstance(ranges, (tuple, list)) or not ranges:
+            raise argument_error("ranges", f"ranges: expected a non-empty sequence of (min_rows, config), got {ranges!r}")
+        out, last = [], 0
+        for item in ranges:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise argument_error("ranges", f"ranges: expected (min_rows, config) pairs, got {item!r}")
+            low, cfg = item
+            if isinstance(low, bool) or not isinstance(low, int) or low <= last:
+                want = "1" if last == 0 else f"an int > {last} (ascending)"
+                raise argument_error("ranges", f"ranges: expected min_rows {want}, got {low!r}")
+            if last == 0 and low != 1:
+                raise argument_error("ranges", f"ranges: the first range must start at min_rows 1 (every call has a "
+                                               f"setting), got {low}")
+            if not isinstance(cfg, RoutingConfig) or isinstance(cfg, RowRanges):
+                raise argument_error("ranges", f"ranges[{low}]: expected a RoutingConfig (SereConfig, OFF, ...), got "
+                                               f"{type(cfg).__name__}", TypeError)
+            out.append((low, cfg))
+            last = low
+        object.__setattr__(self, "ranges", tuple(out))
+        object.__setattr__(self, "S", min((c.S for _, c in out if not isinstance(c, OffConfig)), default=1))
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        return tuple(low for low, _ in self.ranges)
+
+    def select(self, rows: int) -> RoutingConfig:
+        """The config of a call with ``rows`` rows (the rule is ``sere_fx.policies.range_index``)."""
+        from sere_fx.policies import range_index
+        return self.ranges[range_index(self.bounds, rows)][1]
+
+    @property
+    def needs_similarity(self) -> bool:
+        return any(c.needs_similarity for _, c in self.ranges)
+
+    @property
+    def needs_predictor(self) -> bool:
+        return any(c.needs_predictor for _, c in self.ranges)
+
+    @property
+    def rho(self):  # one range's value is not the layer's; messages read the ranges
+        return None
+
+    def for_layer(self, layer, matrix=None):
+        out = []
+        for low, cfg in self.ranges:
+            try:
+                out.append((low, cfg.for_layer(layer, matrix)))
+            except ArgumentError as exc:
+                raise exc.renamed(exc.arg, suffix=f" (rows >= {low})") from None
+        return RowRanges(tuple(out))
+
+    def as_dict(self) -> dict:
+        return {"policy": "ranges", "ranges": [{"min_rows": low, **c.as_dict()} for low, c in self.ranges]}
+
+
 BUDGET_POLICIES = ("weight", "output")  # take N, min_importance and a per-rank budget
 
 
@@ -300,6 +390,18 @@ def from_dict(entry: Mapping, layer: int) -> RoutingConfig:
     """A plan-file entry (``RoutingConfig.as_dict``) of decoder layer ``layer`` as a config; errors
     name ``plan[layer]`` (a bad value also carries ``err.layer`` and the value's own ``err.detail``)."""
     where = f"plan[{layer}]"
+    if entry.get("policy") == "off":
+        if set(entry) != {"policy"}:
+            raise argument_error("plan", f"{where}: policy 'off' takes no settings, got keys {sorted(entry)}")
+        return OFF
+    if entry.get("policy") == "ranges":  # RowRanges.as_dict: one layer's ranges
+        ranges = entry.get("ranges")
+        if set(entry) != {"policy", "ranges"} or not isinstance(ranges, list) or not all(
+                isinstance(r, Mapping) and "min_rows" in r for r in ranges):
+            raise argument_error("plan", f"{where}: expected {{'policy': 'ranges', 'ranges': [{{'min_rows': ..., "
+                                         f"'policy': ...}}, ...]}}, got {dict(entry)!r}")
+        return _row_ranges([(r["min_rows"], from_dict({k: v for k, v in r.items() if k != "min_rows"}, layer))
+                            for r in ranges], where)
     if set(entry) - {"policy", "S", "rho", "N", "rank_budget", "placement"} or not {"policy", "S"} <= set(entry):
         raise argument_error("plan", f"{where}: expected keys policy, S, rho and N, got {sorted(entry)}")
     try:
@@ -495,6 +597,8 @@ def load_plan(plan) -> dict[int, RoutingConfig]:
                 plan = json.load(f)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise argument_error("plan", f"plan: {path!r} is not a plan file (JSON from `sere-fx tune`): {exc}") from None
+    if isinstance(plan, Mapping) and "ranges" in plan:
+        return _ranged_plan(plan["ranges"])
     if isinstance(plan, Mapping) and "layers" in plan:
         plan = plan["layers"]
     if not isinstance(plan, Mapping):
@@ -511,3 +615,34 @@ def load_plan(plan) -> dict[int, RoutingConfig]:
                                  TypeError)
         out[int(k)] = v
     return out
+
+
+def _row_ranges(ranges, where: str) -> RowRanges:
+    try:
+        return RowRanges(tuple(ranges))
+    except ArgumentError as exc:
+        raise argument_error("plan", f"{where}: {exc.message}", exc._kind()) from None
+
+
+def _ranged_plan(ranges) -> dict[int, RowRanges]:
+    """A plan file's ``"ranges"``: ``[{"min_rows": 1, "layers": {...} | "off"}, ...]`` as ``{layer: RowRanges}``.
+    Every range names the same layers (``"off"``: every layer of the plan is off in that range)."""
+    if not isinstance(ranges, list) or not ranges or not all(isinstance(r, Mapping) for r in ranges):
+        raise argument_error("plan", f"plan['ranges']: expected a non-empty list of {{'min_rows', 'layers'}}, got {ranges!r}")
+    per_range = []
+    for r in ranges:
+        if set(r) != {"min_rows", "layers"}:
+            raise argument_error("plan", f"plan['ranges']: expected each range to have keys min_rows and layers, got "
+                                         f"{sorted(r)}")
+        layers = r["layers"]
+        per_range.append((r["min_rows"], None if layers == "off" else load_plan(layers)))
+    named = [set(p) for _, p in per_range if p is not None]
+    if not named:
+        raise argument_error("plan", "plan['ranges']: every range is 'off'; name the layers of at least one range")
+    indices = named[0]
+    for (low, p) in per_range:
+        if p is not None and set(p) != indices:
+            raise argument_error("plan", f"plan['ranges']: the range at min_rows {low} names layers {sorted(p)}, "
+                                         f"expected {sorted(indices)} as the others")
+    return {i: _row_ranges([(low, OFF if p is None else p[i]) for low, p in per_range], f"plan[{i}]")
+            for i in sorted(indices)}

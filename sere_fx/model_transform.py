@@ -23,10 +23,11 @@ from sere_fx.errors import argument_error
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
 from sere_fx.placement import Placement
 from sere_fx.passes.trace import graph_forward
-from sere_fx.similarity import as_similarity, layer_tensors, resolve
+from sere_fx.similarity import as_similarity, layer_predictors, layer_tensors, resolve
 from sere_fx.stats import LayerStats
 
 SIM_BUFFER = "sere_similarity"
+PREDICTOR_BUFFER = "sere_predictor"
 STATS_ATTR = "sere_stats"
 GENERATOR_ATTR = "sere_generator"
 
@@ -152,12 +153,14 @@ def transform(
         raise argument_error("sim", f"sim: policy {need[0]!r} {need[1]}, got None")
     layer_plans = plan_for_layers(spec, layers, matrices)
     tensors = layer_tensors(sim, layers, layer_plans, matrices) if sim is not None else {}
+    predictors = layer_predictors(sim, layers, layer_plans) if sim is not None else {}
     # Rewrite every router's graph first (the graphs are copies: the model is untouched), then install.
     prepared = []
     for layer in layers:
         lp = layer_plans[layer.index]
         attrs = SiteAttrs(
             similarity=SIM_BUFFER if lp.layer_tensor else None,
+            predictor=PREDICTOR_BUFFER if lp.needs_similarity and lp.needs_predictor else None,
             stats=STATS_ATTR if stats else None,
             generator=GENERATOR_ATTR if lp.policy == "random" else None,
         )
@@ -168,7 +171,7 @@ def transform(
         prepared.append((layer, attrs))
     try:
         for layer, attrs in prepared:
-            _install(layer, attrs, tensors, stats if isinstance(stats, Placement) else None)
+            _install(layer, attrs, tensors, predictors, stats if isinstance(stats, Placement) else None)
         if experts_implementation is not None:
             model.set_experts_implementation(experts_implementation)
     except BaseException:
@@ -184,11 +187,13 @@ def transform(
     return model
 
 
-def _install(layer, attrs: SiteAttrs, tensors, placement: Placement | None) -> None:
+def _install(layer, attrs: SiteAttrs, tensors, predictors, placement: Placement | None) -> None:
     router = layer.router
     device = next((t.device for t in router.parameters()), torch.device("cpu"))
     if attrs.similarity:  # the layer's calibrated tensor: a similarity matrix or an output-size predictor
         router.register_buffer(SIM_BUFFER, tensors[layer.index].to(device))
+    if attrs.predictor:  # beside a similarity: a layer whose ranges read both
+        router.register_buffer(PREDICTOR_BUFFER, predictors[layer.index].to(device))
     if attrs.stats:
         setattr(router, STATS_ATTR, LayerStats(placement=placement, num_experts=layer.num_experts))
     if attrs.generator:
@@ -236,6 +241,7 @@ def _uninstall(router: nn.Module) -> None:
     if original is not None:
         router.__class__ = original
     router._buffers.pop(SIM_BUFFER, None)
+    router._buffers.pop(PREDICTOR_BUFFER, None)
     router.__dict__.pop(STATS_ATTR, None)
     router.__dict__.pop(GENERATOR_ATTR, None)
 

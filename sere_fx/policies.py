@@ -82,24 +82,58 @@ class bypass:
         _BYPASS = self._prev
 
 
-def _by_size(tokens, max_tokens: int | None, stats, policy_fn, model_fn, operands: tuple):
-    """``policy_fn(*operands)`` for calls of at most ``max_tokens`` tokens, ``model_fn(*operands)``
-    (the model's own routing) for larger calls and inside ``bypass()``.
+def range_index(bounds, rows) -> int:
+    """Which range of a plan that follows the load a call of ``rows`` rows uses: the last one whose
+    lower bound (``bounds``: ascending ``min_rows``, the first 1) is at most ``rows`` (0 rows: the first)."""
+    i = 0
+    for j, low in enumerate(bounds):
+        if rows >= low:
+            i = j
+    return i
 
-    Under ``torch.export`` the token count is a symbolic size: ``torch.cond`` keeps both branches
-    in the graph, so an artifact decides per call exactly as the eager model does.
+
+def _by_rows(tokens, max_tokens: int | None, stats, branches, model_fn, operands: tuple, count: bool = True):
+    """Route a call by its size: ``branches`` is ``((min_rows, fn), ...)`` (ascending from 1; ``fn`` None:
+    the model's own routing); a call of ``tokens`` rows runs the last branch whose ``min_rows`` it
+    reaches (``range_index``). Calls of more than ``max_tokens`` tokens, and every call inside
+    ``bypass()``, run ``model_fn`` (the model's own routing). ``count``: this site records the range
+    it took in ``stats`` (one site per layer counts).
+
+    Under ``torch.export`` the token count is a symbolic size: ``torch.cond`` keeps every branch in
+    the graph, so an artifact decides per call exactly as the eager model does. ``torch.compile``
+    guards on the bounds instead: one graph per range a model meets (and one for prefill), never one
+    per batch size. (A ``torch.cond`` there has Dynamo trace its branches again, with the policy's
+    constants as separate symbols, which it then refuses to merge.)
     """
     if _BYPASS:
         return model_fn(*operands)
-    if max_tokens is None:
-        return policy_fn(*operands)
     if isinstance(tokens, int) or not torch.compiler.is_exporting():
-        if tokens > max_tokens:
+        # eager, or compiled: a compiled graph guards on the bounds (one graph per range taken)
+        if max_tokens is not None and tokens > max_tokens:
             if stats is not None:
                 stats.record_skipped(tokens)
             return model_fn(*operands)
-        return policy_fn(*operands)
-    return torch.cond(tokens <= max_tokens, policy_fn, model_fn, operands)
+        i = 0 if len(branches) == 1 else range_index([low for low, _ in branches], tokens)
+        if stats is not None and count and len(branches) > 1:
+            stats.record_range(branches[i][0])
+        return (branches[i][1] or model_fn)(*operands)
+
+    def chained(i: int):  # branches i.. as one function of the operands
+        fn = branches[i][1] or model_fn
+        if i + 1 == len(branches):
+            return fn
+        rest, next_low = chained(i + 1), branches[i + 1][0]
+        return lambda *ops: torch.cond(tokens < next_low, fn, rest, ops)
+
+    run = chained(0)
+    if max_tokens is None:
+        return run(*operands)
+    return torch.cond(tokens <= max_tokens, run, model_fn, operands)
+
+
+def _one_range(ranges, **setting) -> tuple:
+    """A site's ``ranges`` (``((min_rows, setting or None), ...)``), or its single setting as one range."""
+    return ((1, setting),) if ranges is None else tuple(ranges)
 
 
 def ablation_reroute(ranked: torch.Tensor, similarity: torch.Tensor, S: int, rho: float, target: str,
@@ -133,11 +167,13 @@ def remap_ids(
     similarity: torch.Tensor,
     *,
     policy: str = "sere",
-    S: int,
-    rho: float,
+    S: int | None = None,
+    rho: float | None = None,
+    ranges: tuple | None = None,
     max_tokens: int | None = None,
     stats=None,
     generator: torch.Generator | None = None,
+    count_ranges: bool = True,
 ) -> torch.Tensor:
     """An index policy at a routing site.
 
@@ -145,32 +181,42 @@ def remap_ids(
     ``topk_values`` is given when the site's top-k is unsorted: slots are put in rank order
     (by these values, descending, stable) for the policy and put back afterwards, so each
     slot keeps its own routing weight. ``stats``: a ``LayerStats`` or None (no cost).
+    ``ranges``: settings that follow the load, ``((min_rows, {"policy", "S", "rho"} or None), ...)``
+    in place of ``policy`` / ``S`` / ``rho`` (None: the model's routing in that range; ``_by_rows``).
     """
     k = topk_ids.shape[-1]
     tokens = topk_ids.numel() // k
 
-    def policy_fn(topk_ids, similarity, *values):
-        ids = topk_ids.reshape(-1, k).to(torch.int64)
-        if values:
-            order = values[0].reshape(-1, k).argsort(dim=-1, descending=True, stable=True)
-            ranked = ids.gather(1, order)
-        else:
-            ranked = ids
-        if policy == "sere":
-            out = torch.ops.sere.reroute(ranked, similarity, S, rho)
-        else:
-            out = ablation_reroute(ranked, similarity, S, rho, policy, generator)
-        if stats is not None:
-            stats.record(ranked, out, S)
-        if values:
-            out = torch.empty_like(out).scatter(1, order, out)
-        return out.to(topk_ids.dtype).reshape(topk_ids.shape)
+    def branch(setting):
+        if setting is None:
+            return None
+        policy, S, rho = setting["policy"], setting["S"], setting["rho"]
+
+        def policy_fn(topk_ids, similarity, *values):
+            ids = topk_ids.reshape(-1, k).to(torch.int64)
+            if values:
+                order = values[0].reshape(-1, k).argsort(dim=-1, descending=True, stable=True)
+                ranked = ids.gather(1, order)
+            else:
+                ranked = ids
+            if policy == "sere":
+                out = torch.ops.sere.reroute(ranked, similarity, S, rho)
+            else:
+                out = ablation_reroute(ranked, similarity, S, rho, policy, generator)
+            if stats is not None:
+                stats.record(ranked, out, S)
+            if values:
+                out = torch.empty_like(out).scatter(1, order, out)
+            return out.to(topk_ids.dtype).reshape(topk_ids.shape)
+
+        return policy_fn
 
     def model_fn(topk_ids, similarity, *values):
         return topk_ids.clone()  # a branch output may not alias an input
 
+    branches = tuple((low, branch(setting)) for low, setting in _one_range(ranges, policy=policy, S=S, rho=rho))
     operands = (topk_ids, similarity) + (() if topk_values is None else (topk_values,))
-    return _by_size(tokens, max_tokens, stats, policy_fn, model_fn, operands)
+    return _by_rows(tokens, max_tokens, stats, branches, model_fn, operands, count_ranges)
 
 
 def _refill(scores: torch.Tensor, k: int, loaded: torch.Tensor, neutral: float,
@@ -374,49 +420,66 @@ def select_topk(
     largest: bool = True,
     sorted: bool = True,
     *,
-    policy: str,
-    S: int,
+    policy: str | None = None,
+    S: int | None = None,
     neutral: float,
     rho: float | None = None,
     N: int | float | None = None,
     rank_budget: int | float | None = None,
     owners: tuple[int, ...] | None = None,
+    ranges: tuple | None = None,
     max_tokens: int | None = None,
     stats=None,
     predictor: torch.Tensor | None = None,
+    count_ranges: bool = True,
 ):
     """A top-k policy in place of the site's ``torch.topk(scores, k, dim, largest, sorted)``.
 
     ``rho``, ``N``, ``rank_budget`` and ``owners`` (each expert's EP rank): the ``weight`` / ``output``
     policies' importance threshold, expert budget and per-rank budget; ``predictor``: ``output``'s
-    output-size predictor (``[E + 1, E]``)."""
+    output-size predictor (``[E + 1, E]``). ``ranges``: settings that follow the load,
+    ``((min_rows, {"policy", "S", "rho", "N", "rank_budget", "owners"} or None), ...)`` in place of
+    the single setting (None: the model's own top-k in that range; ``_by_rows``)."""
     e = scores.shape[-1]
-    if policy not in TOPK_POLICIES:
-        raise argument_error("policy", f"policy: expected one of {list(TOPK_POLICIES)}, got {policy!r}")
-    if (predictor is not None) != (policy == "output"):
-        raise argument_error("predictor", f"predictor: policy 'output' needs one and only it takes one; got policy "
-                                          f"{policy!r} with predictor={'a tensor' if predictor is not None else None}")
+    settings = _one_range(ranges, policy=policy, S=S, rho=rho, N=N, rank_budget=rank_budget, owners=owners)
+    outputs = {s["policy"] for _, s in settings if s is not None and s["policy"] == "output"}
+    for _, setting in settings:
+        if setting is not None and setting["policy"] not in TOPK_POLICIES:
+            raise argument_error("policy", f"policy: expected one of {list(TOPK_POLICIES)}, got {setting['policy']!r}")
+    if (predictor is not None) != bool(outputs):
+        raise argument_error("predictor", f"predictor: policy 'output' needs one and only it takes one; got policies "
+                                          f"{sorted({s['policy'] for _, s in settings if s})} with "
+                                          f"predictor={'a tensor' if predictor is not None else None}")
 
-    def policy_fn(scores, *predictor_):  # an operand, not a closure: torch.cond hands its branches tensors
-        predictor = predictor_[0] if predictor_ else None
-        flat = scores.reshape(-1, e)
-        if policy == "topk":
-            values, ids = torch.topk(flat, S, dim=-1)
-            before = torch.topk(flat, k, dim=-1).indices if stats is not None else None
-        elif policy == "oea":
-            values, ids, before = oea_select(flat, k, S, neutral)
-        else:
-            owner = None if owners is None else torch.tensor(owners, dtype=torch.int64, device=flat.device)
-            values, ids, before = weight_select(flat, k, S, neutral, rho=rho, N=N, rank_budget=rank_budget, owner=owner,
-                                                predictor=predictor)
-        if stats is not None:
-            stats.record(before, ids, S)
-        shape = scores.shape[:-1] + (ids.shape[-1],)
-        return values.reshape(shape), ids.reshape(shape)
+    def branch(setting):
+        if setting is None:
+            return None
+        policy, S = setting["policy"], setting["S"]
+
+        def policy_fn(scores, *predictor_):  # an operand, not a closure: torch.cond hands its branches tensors
+            flat = scores.reshape(-1, e)
+            if policy == "topk":
+                values, ids = torch.topk(flat, S, dim=-1)
+                before = torch.topk(flat, k, dim=-1).indices if stats is not None else None
+            elif policy == "oea":
+                values, ids, before = oea_select(flat, k, S, neutral)
+            else:
+                owners = setting.get("owners")
+                owner = None if owners is None else torch.tensor(owners, dtype=torch.int64, device=flat.device)
+                values, ids, before = weight_select(flat, k, S, neutral, rho=setting.get("rho"), N=setting.get("N"),
+                                                    rank_budget=setting.get("rank_budget"), owner=owner,
+                                                    predictor=predictor_[0] if policy == "output" else None)
+            if stats is not None:
+                stats.record(before, ids, S)
+            shape = scores.shape[:-1] + (ids.shape[-1],)
+            return values.reshape(shape), ids.reshape(shape)
+
+        return policy_fn
 
     def model_fn(scores, *predictor_):
         return tuple(torch.topk(scores, k, dim=dim, largest=largest, sorted=sorted))
 
+    branches = tuple((low, branch(setting)) for low, setting in settings)
     operands = (scores,) if predictor is None else (scores, predictor)
-    values, ids = _by_size(scores.numel() // e, max_tokens, stats, policy_fn, model_fn, operands)
+    values, ids = _by_rows(scores.numel() // e, max_tokens, stats, branches, model_fn, operands, count_ranges)
     return torch.return_types.topk((values, ids))

@@ -186,11 +186,17 @@ def layer_tensors(sim, layers: Sequence, plans: Mapping, matrices: Mapping[int, 
     """The calibrated tensor each layer's policy reads (``plans``: ``{layer: RoutingConfig}``): its
     similarity matrix (index policies), its output-size predictor (``output``), or nothing. One
     place for every front-end, so a policy reads the same tensor wherever it runs."""
-    out = {}
-    wanting = [layer for layer in layers if plans[layer.index].needs_predictor]
-    if wanting:
-        out.update(resolve_predictors(sim, wanting, plans[wanting[0].index].policy))
+    out = layer_predictors(sim, layers, plans)
     for layer in layers:
         if plans[layer.index].needs_similarity:
             out[layer.index] = matrices[layer.index]
     return out
+
+
+def layer_predictors(sim, layers: Sequence, plans: Mapping) -> dict[int, torch.Tensor]:
+    """The output-size predictor of each layer whose settings read one (``output``, in some range)."""
+    wanting = [layer for layer in layers if plans[layer.index].needs_predictor]
+    if not wanting:
+        return {}
+    policy = plans[wanting[0].index].policy
+    return resolve_predictors(sim, wanting, "output" if policy == "ranges" else policy)

@@ -35,6 +35,8 @@ class LayerStats:
     slots_after: int = 0
     skipped_calls: int = 0  # calls above ``max_tokens`` (left to the model's own routing)
     skipped_tokens: int = 0
+    # plans that follow the load (``RowRanges``): calls per range, by the range's ``min_rows``
+    range_calls: dict[int, int] = field(default_factory=dict)
     # with a placement (``transform(stats=Placement(...))``): the busiest EP rank's distinct experts
     # before / after and token-slots after, summed over calls
     max_rank_before: int = 0
@@ -71,6 +73,9 @@ class LayerStats:
     def record_skipped(self, tokens: int) -> None:
         self.skipped_calls += 1
         self.skipped_tokens += tokens
+
+    def record_range(self, min_rows: int) -> None:
+        self.range_calls[min_rows] = self.range_calls.get(min_rows, 0) + 1
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -87,10 +87,9 @@ def node_shape(node) -> tuple[int, ...] | None:
     shape = getattr(val, "shape", None)
     if shape is None:
         return None
-    try:
-        return tuple(int(s) for s in shape)
-    except (TypeError, ValueError):  # symbolic sizes: keep the static ones as -1
-        return tuple(int(s) if isinstance(s, int) else -1 for s in shape)
+    # Symbolic sizes are -1: int() of a SymInt would specialise it, and the compiled graph would then
+    # be recompiled for every batch size.
+    return tuple(int(s) if isinstance(s, int) else -1 for s in shape)
 
 
 class RoutingMatchError(ValueError):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from torch.fx import Graph, Node
 
 from sere_fx.passes.matcher import RoutingMatchError, RoutingSite, _arg
-from sere_fx.config import RoutingConfig
-from sere_fx.policies import INDEX_POLICIES, REFILL_POLICIES, remap_ids, select_topk
+from sere_fx.config import OffConfig, RoutingConfig, RowRanges
+from sere_fx.policies import INDEX_POLICIES, REFILL_POLICIES, TOPK_POLICIES, remap_ids, select_topk
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,12 @@ class SiteAttrs:
     similarity: str | Node | None = None  # the layer's calibrated tensor: similarity matrix or output-size predictor
     stats: str | Node | None = None
     generator: str | Node | None = None
+    predictor: str | Node | None = None  # ``output``'s predictor beside a similarity (a layer whose ranges read both)
 
 
 def _get_attrs(graph: Graph, after: Node, attrs: SiteAttrs) -> tuple[Node, dict]:
     nodes = {}
-    for key in ("similarity", "stats", "generator"):
+    for key in ("similarity", "stats", "generator", "predictor"):
         source = getattr(attrs, key)
         if source is None:
             continue
@@ -47,8 +48,13 @@ def _get_attrs(graph: Graph, after: Node, attrs: SiteAttrs) -> tuple[Node, dict]
 
 
 def insert_policy(graph: Graph, site: RoutingSite, plan: RoutingConfig, max_tokens: int | None, attrs: SiteAttrs,
-                  where: str = "graph") -> Node:
-    """Rewrite ``site`` in ``graph`` for the layer's ``plan``; returns the node that now feeds the experts."""
+                  where: str = "graph") -> Node | None:
+    """Rewrite ``site`` in ``graph`` for the layer's ``plan``; returns the node that now feeds the experts
+    (None: ``plan`` is ``off`` in every range, and the site is left as it is)."""
+    if isinstance(plan, RowRanges):
+        return _insert_ranges(graph, site, plan, max_tokens, attrs, where)
+    if isinstance(plan, OffConfig):
+        return None
     if plan.policy in INDEX_POLICIES:
         return _insert_index_policy(graph, site, plan.policy, plan.S, plan.rho, max_tokens, attrs)
     if site.weight_uses and plan.policy in REFILL_POLICIES:
@@ -59,7 +65,38 @@ def insert_policy(graph: Graph, site: RoutingSite, plan: RoutingConfig, max_toke
     return _replace_topk(graph, site, plan, max_tokens, attrs)
 
 
-def _insert_index_policy(graph, site, policy, S, rho, max_tokens, attrs) -> Node:
+def _insert_ranges(graph, site, plan: RowRanges, max_tokens, attrs, where) -> Node | None:
+    """A layer whose settings follow the load: an index-policy node is inserted where some range runs an
+    index policy, and the top-k node replaced where some range runs a top-k policy; each runs its own
+    ranges' settings and routes the others as the model does (both read the same row count), so every
+    call runs exactly one setting. The index node reads the top-k's outputs, so it reads the new top-k's
+    once that replaces it. One node per layer counts the ranges taken."""
+    topk = tuple((low, _topk_setting(c, site.num_experts) if c.policy in TOPK_POLICIES else None)
+                 for low, c in plan.ranges)
+    index = tuple((low, {"policy": c.policy, "S": c.S, "rho": c.rho} if c.policy in INDEX_POLICIES else None)
+                  for low, c in plan.ranges)
+    refill = sorted({s["policy"] for _, s in topk if s is not None and s["policy"] in REFILL_POLICIES})
+    if site.weight_uses and refill:
+        raise RoutingMatchError(
+            f"{where}: policies {refill} need routing weights computed from the top-k values, but this router "
+            f"gathers them by index ({', '.join(u.name for u in site.weight_uses)})"
+        )
+    out = None
+    has_topk = any(s is not None for _, s in topk)
+    if any(s is not None for _, s in index):
+        out = _insert_index_policy(graph, site, None, None, None, max_tokens, attrs, ranges=index,
+                                   count_ranges=not has_topk)
+    if has_topk:
+        new = _replace_topk(graph, site, None, max_tokens, attrs, ranges=topk)
+        out = out if out is not None else new
+    return out
+
+
+def _topk_setting(plan: RoutingConfig, num_experts: int) -> dict:
+    return {"policy": plan.policy, "S": plan.S, "rho": plan.rho, "N": plan.N, **_rank_budget(plan, num_experts)}
+
+
+def _insert_index_policy(graph, site, policy, S, rho, max_tokens, attrs, ranges=None, count_ranges=True) -> Node:
     values = None
     if not site.sorted:
         # Rank order must come from the values the top-k selected on: read them.
@@ -77,7 +114,8 @@ def _insert_index_policy(graph, site, policy, S, rho, max_tokens, attrs) -> Node
             remap_ids,
             (site.indices, values, nodes["similarity"]),
             {"policy": policy, "S": S, "rho": rho, "max_tokens": max_tokens,
-             "stats": nodes.get("stats"), "generator": nodes.get("generator")},
+             "stats": nodes.get("stats"), "generator": nodes.get("generator"),
+             **({} if ranges is None else {"ranges": ranges, "count_ranges": count_ranges})},
         )
     if "val" in site.indices.meta:
         new_ids.meta["val"] = site.indices.meta["val"]
@@ -86,18 +124,24 @@ def _insert_index_policy(graph, site, policy, S, rho, max_tokens, attrs) -> Node
     return new_ids
 
 
-def _replace_topk(graph, site, plan, max_tokens, attrs) -> Node:
+def _replace_topk(graph, site, plan, max_tokens, attrs, ranges=None) -> Node:
+    """``plan``: the layer's one setting, or None with ``ranges`` (``((min_rows, setting or None), ...)``)."""
     topk = site.topk
     # The score that makes a slot weigh nothing downstream: 0 for probabilities, -inf for logits.
     neutral = float("-inf") if site.score_fn == "logits" else 0.0
     last, nodes = _get_attrs(graph, topk, attrs)
+    if ranges is None:
+        setting = _topk_setting(plan, site.num_experts)
+        wants_predictor = plan.needs_predictor
+    else:
+        setting = {"ranges": ranges}
+        wants_predictor = any(s is not None and s["policy"] == "output" for _, s in ranges)
     with graph.inserting_after(last):
         new = graph.call_function(
             select_topk,
             (site.scores, site.k, _arg(topk, 2, "dim", -1), _arg(topk, 3, "largest", True), _arg(topk, 4, "sorted", True)),
-            {"policy": plan.policy, "S": plan.S, "neutral": neutral, "rho": plan.rho, "N": plan.N,
-             **_rank_budget(plan, site.num_experts), "max_tokens": max_tokens, "stats": nodes.get("stats"),
-             **({"predictor": nodes["similarity"]} if plan.needs_predictor else {})},
+            {**setting, "neutral": neutral, "max_tokens": max_tokens, "stats": nodes.get("stats"),
+             **({"predictor": nodes.get("predictor", nodes.get("similarity"))} if wants_predictor else {})},
         )
     topk.replace_all_uses_with(new)
     graph.erase_node(topk)
