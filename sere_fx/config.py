@@ -299,6 +299,10 @@ class RowRanges(RoutingConfig):
     def bounds(self) -> tuple[int, ...]:
         return tuple(low for low, _ in self.ranges)
 
+    @property
+    def configs(self) -> tuple[RoutingConfig, ...]:
+        return tuple(c for _, c in self.ranges)
+
     def select(self, rows: int) -> RoutingConfig:
         """The config of a call with ``rows`` rows (the rule is ``sere_fx.policies.range_index``)."""
         from sere_fx.policies import range_index
@@ -519,9 +523,8 @@ def spec_policies(spec) -> set[str]:
     """Every policy a spec (``routing_spec``'s result) gives some layer."""
     if isinstance(spec, Keywords):
         return spec.policies
-    if isinstance(spec, RoutingConfig):
-        return {spec.policy}
-    return {c.policy for c in spec.values()}
+    configs = [spec] if isinstance(spec, RoutingConfig) else list(spec.values())
+    return {c.policy for config in configs for c in (config.configs if isinstance(config, RowRanges) else [config])}
 
 
 def calibration_need(spec) -> tuple[str, str] | None:

@@ -381,3 +381,47 @@ def test_request_values():
         with pytest.raises(SettingsError, match=re.escape(f'extra_args["sere"] ("vllm_xargs" through the OpenAI server): '
                                                           f"expected true or false, got {bad!r}")):
             request_reroutes({"sere": bad})
+
+
+@pytest.mark.parametrize("counts", [False, True])
+def test_ranges_route_each_step_by_its_re_routed_rows(engine_state, counts):
+    """A plan that follows the load: each step takes the range its decode-row count falls in (from the
+    scheduler's token counts, or the runner's query lengths), and routes exactly as that range's setting
+    alone; an ``off`` range is the router's own output; steps per range are counted."""
+    from sere_fx.config import OFF
+    from sere_fx.vllm.routing import RangeRouting
+
+    configs, bounds = (LayerPlan("sere", 2, 0.0), LayerPlan("oea", 2), OFF), (1, 3, 5)
+    scores = RouterScores.of(make_router("softmax"))
+
+    def alone(config):
+        return LayerRouting(0, config, scores, similarity(), E, False, native_rows=engine.ENGINE.native)
+
+    def route(routing):
+        router = make_router("softmax")
+        install(router, routing)
+        return router.select_experts(torch.zeros(T, H), x)
+
+    engine_state.bounds = bounds
+    engine_state.layers = {0: RangeRouting(0, bounds, tuple(None if c is OFF else alone(c) for c in configs))}
+    engine_state.stats[0] = torch.zeros(len(engine.STAT_FIELDS), dtype=torch.float64)
+    engine_state.range_steps[0] = [0, 0, 0]
+    x = logits(2)
+    own = make_router("softmax")._compute_routing(torch.zeros(T, H), x, None)
+    for decoding, want in ((2, 0), (3, 1), (4, 1), (6, 2), (7, 2)):
+        reqs = [*"abcdefg"[:decoding], "p"]  # the decode requests, then one prompt of 3 tokens
+        lens = [1] * decoding + [3]
+        out = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set(), scheduled_spec_decode_tokens={})
+        if counts:
+            out.num_scheduled_tokens = dict(zip(reqs, lens))
+        qsl = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
+        engine_state.plan_step(out, reqs, np.array([False] * decoding + [True]), qsl)
+        engine_state.refresh()
+        assert (engine_state.step_rows, engine_state.range) == (decoding, want)
+        weights, ids = route(engine_state.layers[0])
+        ref_weights, ref_ids = own if configs[want] is OFF else route(alone(configs[want]))
+        assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+        if want < 2:
+            assert not torch.equal(ids, own[1]), "a re-routing range must change this batch's routing"
+    stats = engine.worker_stats()[0]
+    assert [stats[engine.range_key(b)] for b in bounds] == [1.0, 2.0, 2.0]

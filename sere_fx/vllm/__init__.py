@@ -250,7 +250,9 @@ def routing_stats(llm) -> dict[int, dict[str, float]]:
     computes without and with the plugin: K per row, and each row's distinct experts where the
     layer's kernel merges slots, ``sere_fx.vllm.slots``). With an expert-parallel placement (``"ep_ranks"``, or the engine's own EP) also
     ``"max_rank_before"``, ``"max_rank_after"`` (the busiest rank's distinct experts) and
-    ``"max_rank_slots_after"`` (its token-slots).
+    ``"max_rank_slots_after"`` (its token-slots). With a plan that follows the load, also
+    ``"range_steps_from_<min_rows>"`` per range: the steps with re-routed rows whose row count fell in
+    it (counts, not means; a step in an ``off`` range re-routes nothing and is not in ``decode_steps``).
 
     Gathered from every worker; tensor-parallel ranks route the same tokens the same way, and
     a disagreement raises. Needs ``"stats": true`` in the settings.
@@ -265,8 +267,8 @@ def routing_stats(llm) -> dict[int, dict[str, float]]:
     out = {}
     for layer, sums in first.items():
         steps = sums["decode_steps"]
-        out[int(layer)] = {k: (v if k == "decode_steps" else (v / steps if steps else 0.0)) for k, v in sums.items()}
-        out[int(layer)]["decode_steps"] = int(steps)
+        out[int(layer)] = {k: (int(v) if k == "decode_steps" or k.startswith("range_steps_") else
+                               (v / steps if steps else 0.0)) for k, v in sums.items()}
     return out
 
 

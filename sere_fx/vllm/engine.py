@@ -35,11 +35,13 @@ import torch
 from sere_fx.kernels import reroute_cpu
 from sere_fx.ops import free_experts, primary_mask, reroute_kernel
 from sere_fx.placement import Placement
-from sere_fx.policies import TOPK_POLICIES
+from sere_fx.config import OffConfig, RowRanges
+from sere_fx.policies import TOPK_POLICIES, range_index
 from sere_fx.stats import repeated_slots
 from sere_fx.vllm import slots
 from sere_fx.vllm.log import logger as _logger
-from sere_fx.vllm.routing import LayerRouting, RouterScores, install, predictor_refusal, uninstall
+from sere_fx.vllm.metrics import RANGE_PREFIX
+from sere_fx.vllm.routing import LayerRouting, RangeRouting, RouterScores, install, predictor_refusal, uninstall
 from sere_fx.vllm.settings import (REQUEST_KEY, WHERE, EngineLayer, SettingsError, parse, request_reroutes, resolve_layers,
                                    to_device)
 
@@ -78,6 +80,12 @@ class _Engine:
         self.pending = None  # (flags: np.bool_ [n], query_start_loc [n + 1]) of the next forward
         self.any_kept = False  # host copy of kept.any(), for the CPU ops' pure-decode fast path
         self.native = False  # the row buffers are bound to the torch.ops.sere_native ops
+        # plans that follow the load: the ranges' lower bounds (None: one setting for every step), this
+        # step's re-routed row count and range, and per layer the steps each range took (with stats)
+        self.bounds: tuple[int, ...] | None = None
+        self.step_rows = 0
+        self.range = 0
+        self.range_steps: dict[int, list[int]] = {}
         self._warned: set[str] = set()
 
     def allocate(self, max_tokens: int, max_requests: int, device) -> None:
@@ -109,7 +117,18 @@ class _Engine:
         drafts = scheduler_output.scheduled_spec_decode_tokens
         if self.spec_decode == "keep" and drafts:
             flags &= np.fromiter((not drafts.get(r) for r in req_ids), dtype=bool, count=n)
-        self.pending = (flags, query_start_loc[: n + 1])
+        self.pending = (flags, query_start_loc[: n + 1], self._rows(scheduler_output, req_ids, flags, query_start_loc))
+
+    def _rows(self, scheduler_output, req_ids, flags, query_start_loc) -> int:
+        """The step's re-routed row count, on the host (only for plans that follow the load): the
+        scheduler's token counts of the re-routed requests (the runner's query lengths without them)."""
+        if self.bounds is None or not flags.any():
+            return 0
+        counts = getattr(scheduler_output, "num_scheduled_tokens", None)
+        if counts:
+            return int(sum(counts.get(r, 0) for r, f in zip(req_ids, flags) if f))
+        q = query_start_loc[: flags.shape[0] + 1].cpu().numpy()
+        return int(np.diff(q)[flags].sum())
 
     def _opts_out(self, req_id: str, params) -> bool:
         try:
@@ -131,8 +150,11 @@ class _Engine:
             self.rows.zero_()
             self.kept.zero_()
             self.any_kept = False
+            self.step_rows = self.range = 0
             return
-        flags, qsl = pending
+        flags, qsl, self.step_rows = pending
+        if self.bounds is not None:
+            self.range = range_index(self.bounds, self.step_rows)
         n = flags.shape[0]
         self.any_kept = not flags.all()  # every scheduled request has rows: one left out keeps rows
         host = torch.from_numpy(flags)
@@ -165,6 +187,7 @@ ENGINE = _Engine()
 _LIB = torch.library.Library("sere", "FRAGMENT")
 _LIB.define("engine_rows(Tensor topk_ids, int num_experts) -> (Tensor, Tensor)")
 _LIB.define("engine_reroute(Tensor topk_ids, Tensor similarity, int S, float rho, Tensor rank_values) -> Tensor")
+_LIB.define("engine_route(Tensor router_logits, Tensor weights, Tensor topk_ids, int layer) -> (Tensor, Tensor)")
 _LIB.define("record_routing(Tensor before, Tensor after, Tensor rank_values, Tensor rows, int layer, int S, int num_experts) -> Tensor")
 
 
@@ -252,7 +275,21 @@ def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int
     return after.clone()
 
 
+def _engine_route(router_logits, weights, topk_ids, layer: int):
+    # A layer whose settings follow the load (routing.RangeRouting): this step's range's routing.
+    routing = ENGINE.layers[layer]
+    if ENGINE.step_rows and layer in ENGINE.range_steps:
+        ENGINE.range_steps[layer][ENGINE.range] += 1
+    chosen = routing.routings[ENGINE.range]
+    if chosen is None:  # off: the router's output, as new tensors (an op's outputs may not alias its inputs)
+        return weights.clone(), topk_ids.clone()
+    new_weights, new_ids = chosen(router_logits, weights, topk_ids)
+    return (new_weights.clone() if new_weights is weights else new_weights,
+            new_ids.clone() if new_ids is topk_ids else new_ids)
+
+
 _LIB.impl("engine_rows", _engine_rows, "CompositeExplicitAutograd")
+_LIB.impl("engine_route", _engine_route, "CompositeExplicitAutograd")
 _LIB.impl("engine_reroute", _engine_reroute, "CompositeExplicitAutograd")
 _LIB.impl("record_routing", _record_routing, "CompositeExplicitAutograd")
 
@@ -266,6 +303,11 @@ def _(topk_ids, num_experts):
 @torch.library.register_fake("sere::engine_reroute", lib=_LIB)
 def _(topk_ids, similarity, S, rho, rank_values):
     return torch.empty_like(topk_ids)
+
+
+@torch.library.register_fake("sere::engine_route", lib=_LIB)
+def _(router_logits, weights, topk_ids, layer):
+    return torch.empty_like(weights), torch.empty_like(topk_ids)
 
 
 @torch.library.register_fake("sere::record_routing", lib=_LIB)
@@ -384,7 +426,7 @@ def step_readers():
     return readers
 
 
-def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
+def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting | RangeRouting]:
     """Install the routing of ``raw`` (``additional_config["sere"]``) on every MoE layer of ``model``
     (the served model of ``runner``, whose steps will say which rows are decode rows)."""
     settings = parse(raw)
@@ -401,9 +443,10 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
         raise SettingsError(f"{WHERE}: the served model ({architecture}) has no MoE layer to re-route")
     layers = engine_layers(runners)
     pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1
-    plans, matrices = resolve_layers(settings, layers, architecture, subset=pipeline)  # each layer's calibrated tensor
+    # each layer's calibrated tensor, and a predictor beside a similarity where a layer's ranges read both
+    plans, matrices, predictors = resolve_layers(settings, layers, architecture, subset=pipeline, with_predictors=True)
     device = vllm_config.device_config.device
-    matrices = to_device(matrices, device)
+    matrices, predictors = to_device(matrices, device), to_device(predictors, device)
     scheduler = vllm_config.scheduler_config
     ENGINE.allocate(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, device)
     ENGINE.decode_only, ENGINE.spec_decode = settings.decode_only, settings.spec_decode
@@ -419,20 +462,24 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
                           vllm_config.parallel_config.data_parallel_size)
     installed = {}
     ENGINE.merging = set()
+    ranged = {i: p for i, p in plans.items() if isinstance(p, RowRanges)}
+    ENGINE.bounds = _common_bounds(ranged)
+    ENGINE.range_steps = {}
     for runner_, layer in zip(runners, layers):
         plan = plans[layer.index]
         scores = RouterScores.of(runner_.router)
-        if plan.policy in TOPK_POLICIES and scores.unsupported:
-            raise SettingsError(
-                f'{WHERE}["policy"]: {plan.policy!r} recomputes routing weights, but layer {layer.index} '
-                f"({scores.router}) cannot be reproduced: {scores.unsupported}; use policy 'sere'"
-            )
+        for config in plan.configs if isinstance(plan, RowRanges) else (plan,):
+            if config.policy in TOPK_POLICIES and scores.unsupported:
+                raise SettingsError(
+                    f'{WHERE}["policy"]: {config.policy!r} recomputes routing weights, but layer {layer.index} '
+                    f"({scores.router}) cannot be reproduced: {scores.unsupported}; use policy 'sere'"
+                )
         if (why := predictor_refusal(plan, scores)) is not None:
             raise SettingsError(f'{WHERE}["policy"]: layer {layer.index}: {why}')
         if scores.bias is not None and scores.scoring_func is None:
             raise SettingsError(f"{WHERE}: layer {layer.index} ({scores.router}) ranks experts by a biased score "
                                 f"sere-fx cannot recompute ({scores.unsupported})")
-        if plan.S >= layer.top_k and not settings.stats:
+        if _exact(plan, layer.top_k) and not settings.stats:
             uninstall(runner_.router)  # S = K leaves this layer's routing as it is (with stats: counted)
             slots.uninstall(runner_)
             continue
@@ -442,8 +489,20 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
             ENGINE.merging.add(layer.index)
         else:
             ENGINE.warn_once(f"merge:{why}", "sere-fx: duplicate and weight-0 token-slots are not merged: %s", why)
-        routing = LayerRouting(layer.index, plan, scores, matrices.get(layer.index), layer.num_experts, settings.stats,
-                               reduce, native_rows=ENGINE.native)
+        def routing_of(config, tensor):
+            return LayerRouting(layer.index, config, scores, tensor, layer.num_experts, settings.stats, reduce,
+                                native_rows=ENGINE.native)
+
+        tensor = matrices.get(layer.index)
+        if isinstance(plan, RowRanges):
+            predictor = predictors.get(layer.index, tensor)  # a predictor beside a similarity, or the layer's one
+            routing = RangeRouting(layer.index, plan.bounds, tuple(
+                None if isinstance(c, OffConfig) else routing_of(c, predictor if c.needs_predictor else tensor)
+                for c in plan.configs))
+            if settings.stats:
+                ENGINE.range_steps[layer.index] = [0] * len(plan.ranges)
+        else:
+            routing = routing_of(plan, tensor)
         install(runner_.router, routing)
         installed[layer.index] = routing
         if settings.stats:
@@ -452,8 +511,7 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
                 ENGINE.owner[layer.index] = placement.owner(layer.num_experts, device=device)
                 ENGINE.rank_stats[layer.index] = torch.zeros(len(EP_STAT_FIELDS), dtype=torch.float64, device=device)
     ENGINE.layers = installed
-    summary = ", ".join(f"{i}: {p.policy} S={p.S}" + (f" rho={p.rho:.3g}" if p.rho is not None else "")
-                        + (f" N={p.N}" if p.N is not None else "") for i, p in sorted(plans.items()))
+    summary = ", ".join(f"{i}: {_describe(p)}" for i, p in sorted(plans.items()))
     speculative = vllm_config.speculative_config
     _logger().info("sere-fx: re-routing %d of %d MoE layers of %s (%s); decode_only=%s, spec_decode=%s, stats=%s, "
                    "slots merged on %d layers%s",
@@ -461,6 +519,30 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting]:
                    settings.spec_decode if speculative is not None else "n/a", settings.stats, len(ENGINE.merging),
                    f"; draft model ({speculative.method}) left alone" if speculative is not None else "")
     return installed
+
+
+def _describe(plan) -> str:
+    if isinstance(plan, RowRanges):
+        return "[" + "; ".join(f"rows >= {low}: {_describe(c)}" for low, c in plan.ranges) + "]"
+    if isinstance(plan, OffConfig):
+        return "off"
+    return (f"{plan.policy} S={plan.S}" + (f" rho={plan.rho:.3g}" if plan.rho is not None else "")
+            + (f" N={plan.N}" if plan.N is not None else ""))
+
+
+def _exact(plan, top_k: int) -> bool:
+    """Whether ``plan`` leaves every step's routing as it is (S = K, or off, in every range)."""
+    configs = plan.configs if isinstance(plan, RowRanges) else (plan,)
+    return all(isinstance(c, OffConfig) or c.S >= top_k for c in configs)
+
+
+def _common_bounds(ranged: dict) -> tuple[int, ...] | None:
+    """The ranges' lower bounds, one set for every layer (a plan file's ranges are), else refused."""
+    bounds = {p.bounds for p in ranged.values()}
+    if len(bounds) > 1:
+        raise SettingsError(f'{WHERE}["plan"]: expected the same ranges on every layer (the step picks one range '
+                            f"for all), got {sorted(bounds)}")
+    return bounds.pop() if bounds else None
 
 
 def switch_routing(worker, raw) -> None:
@@ -474,6 +556,7 @@ def switch_routing(worker, raw) -> None:
         uninstall(runner.router)
         slots.uninstall(runner)
     ENGINE.layers, ENGINE.stats, ENGINE.rank_stats, ENGINE.merging = {}, {}, {}, set()
+    ENGINE.bounds, ENGINE.range_steps = None, {}
 
 
 def worker_stats(worker=None) -> dict[int, dict[str, float]]:
@@ -481,9 +564,18 @@ def worker_stats(worker=None) -> dict[int, dict[str, float]]:
     out = {layer: dict(zip(STAT_FIELDS, acc.tolist())) for layer, acc in sorted(ENGINE.stats.items())}
     for layer, acc in ENGINE.rank_stats.items():
         out[layer].update(zip(EP_STAT_FIELDS, acc.tolist()))
+    for layer, counts in ENGINE.range_steps.items():  # plans that follow the load: steps per range
+        out[layer].update({range_key(low): float(c) for low, c in zip(ENGINE.bounds, counts)})
     return out
+
+
+def range_key(min_rows: int) -> str:
+    """The statistic of a range: steps (with re-routed rows) whose row count fell in the range from ``min_rows``."""
+    return f"{RANGE_PREFIX}{min_rows}"
 
 
 def reset_worker_stats(worker=None) -> None:
     for acc in (*ENGINE.stats.values(), *ENGINE.rank_stats.values()):
         acc.zero_()
+    for counts in ENGINE.range_steps.values():
+        counts[:] = [0] * len(counts)

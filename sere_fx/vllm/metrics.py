@@ -46,6 +46,8 @@ _COUNTERS = (
      "token-slots of the re-routed rows the MoE kernel computes (merged slots count once)"),
 )
 
+RANGE_PREFIX = "range_steps_from_"  # sere_fx.vllm.engine.range_key
+
 _COLLECTOR = None
 
 
@@ -118,9 +120,15 @@ class Collector:
         means = {side: GaugeMetricFamily(f"sere_fx_distinct_experts_{side}_per_step",
                                          f"distinct experts {side} re-routing, mean per decode step", labels=labels)
                  for side in ("before", "after")}
+        ranges = CounterMetricFamily("sere_fx_range_steps", "decode steps whose re-routed row count fell in the plan's "
+                                     "range from min_rows (plans that follow the load)",
+                                     labels=labels + ["min_rows"])
         for model, layers in sorted(exports.items()):
             for layer, sums in sorted(layers.items()):
                 key = [model, str(layer)]
+                for name, value in sums.items():
+                    if name.startswith(RANGE_PREFIX):
+                        ranges.add_metric(key + [name[len(RANGE_PREFIX):]], float(value))
                 for family, (_, field, _) in zip(families, _COUNTERS):
                     family.add_metric(key, float(sums.get(field, 0.0)))
                 steps = float(sums.get("decode_steps", 0.0))
@@ -128,6 +136,7 @@ class Collector:
                     family.add_metric(key, float(sums.get(f"distinct_{side}", 0.0)) / steps if steps else 0.0)
         yield from families
         yield from means.values()
+        yield ranges
 
 
 def start_export(vllm_config, rank: int) -> None:

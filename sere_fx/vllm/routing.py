@@ -205,6 +205,20 @@ class LayerRouting:
         return torch.where(keep, recomputed, weights), torch.where(keep, chosen.to(ids.dtype), ids)
 
 
+class RangeRouting:
+    """A layer whose settings follow the load (``RowRanges``): one ``LayerRouting`` per range (None:
+    ``off``, the router's output as it is). vLLM's graph is traced once, so the choice cannot be a
+    Python branch in it: the layer calls ``torch.ops.sere.engine_route``, an opaque op that takes the
+    range the step's re-routed row count falls in (decided once per step on the host,
+    ``sere_fx.vllm.engine``) and runs that range's routing."""
+
+    def __init__(self, layer: int, bounds: tuple[int, ...], routings: tuple):
+        self.layer, self.bounds, self.routings = layer, bounds, routings
+
+    def __call__(self, router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        return torch.ops.sere.engine_route(router_logits, weights, ids, self.layer)
+
+
 _SUBCLASSES: dict[type, type] = {}
 
 

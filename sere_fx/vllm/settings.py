@@ -30,7 +30,7 @@ from sere_fx.config import (
 )
 from sere_fx.errors import ArgumentError
 from sere_fx.plan import load_plan
-from sere_fx.similarity import Similarity, layer_tensors, resolve
+from sere_fx.similarity import Similarity, layer_predictors, layer_tensors, resolve
 
 SETTINGS_KEY = "sere"
 WHERE = f'additional_config["{SETTINGS_KEY}"]'
@@ -207,14 +207,16 @@ def ignored_similarity(settings: EngineSettings) -> str | None:
 
 
 def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architecture: str | None,
-                   subset: bool = False):
+                   subset: bool = False, with_predictors: bool = False):
     """Per-layer plans and similarity matrices for the engine's MoE layers.
 
     ``subset``: the engine holds only some of the model's layers (a pipeline-parallel stage):
     per-layer settings and the similarity file may cover more layers, and each stage takes its own.
     Returns ``({layer: RoutingConfig}, {layer: tensor} or None)``: each layer's calibrated tensor
     (``sere_fx.similarity.layer_tensors``: a similarity matrix, or ``output``'s predictor), for the
-    layers whose policy reads one; None without a similarity file.
+    layers whose policy reads one; None without a similarity file. ``with_predictors``: a third item,
+    ``{layer: predictor}`` for the layers whose ranges read a predictor beside a similarity
+    (``sere_fx.similarity.layer_predictors``; empty without a similarity file).
     """
     routing = settings.routing
     if subset:
@@ -246,9 +248,12 @@ def resolve_layers(settings: EngineSettings, layers: list[EngineLayer], architec
     except ArgumentError as exc:
         _raise_named(exc)
     if settings.sim is None:
-        return plans, None
+        return (plans, None, {}) if with_predictors else (plans, None)
     try:
-        return plans, layer_tensors(sim, layers, plans, matrices)
+        tensors = layer_tensors(sim, layers, plans, matrices)
+        if not with_predictors:
+            return plans, tensors
+        return plans, tensors, layer_predictors(sim, layers, plans)
     except ArgumentError as exc:
         raise SettingsError(f"{_key('sim')}: {exc.message.removeprefix('sim: ')}") from None
 
