@@ -358,3 +358,140 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     plan, loss, s = best
     return TuneResult(plan, loss, mean_count(s), base_distinct, metric, max_loss,
                       [p for ps in options.values() for p in ps], rounds, max_experts, placement)
+
+
+# --- plans that follow the load --------------------------------------------------------------
+
+DEFAULT_BATCH_SIZES = (1, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What one MoE layer call costs on the deployment's kernel: ``expert_us`` per distinct expert read,
+    ``slot_us`` per token-slot computed, ``op_us`` for the re-routing op itself (what bench/vllm_step_profile.py
+    measures). The default is the fit on the Qwen3-30B-A3B shape in vLLM's CPU kernel (bench/RESULTS.md,
+    "Budgets at 30B": ~0.28 ms per expert, ~0.02 ms per token-slot; the merged op ~0.17 ms at batch 32)."""
+
+    expert_us: float = 280.0
+    slot_us: float = 20.0
+    op_us: float = 170.0
+
+    def __post_init__(self):
+        for name in ("expert_us", "slot_us", "op_us"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ArgumentValueError("cost", f"cost: expected {name} a finite number >= 0 (microseconds), got {value!r}")
+
+    def speedup(self, experts_before: float, experts_after: float, slots: float) -> float:
+        """The layer call's predicted speed-up when re-routing reads ``experts_after`` instead of
+        ``experts_before`` for ``slots`` token-slots (slot merging is left out: a lower bound)."""
+        plain = self.expert_us * experts_before + self.slot_us * slots
+        rerouted = self.expert_us * experts_after + self.slot_us * slots + self.op_us
+        return plain / rerouted if rerouted > 0 else 1.0
+
+
+@dataclass
+class RangeResult:
+    """One range of a tuned plan that follows the load: tuned at ``batch_size`` rows."""
+
+    min_rows: int
+    batch_size: int
+    plan: dict[int, RoutingConfig] | None  # None: off (the model's own routing)
+    why_off: str | None
+    loss: float
+    distinct: float
+    baseline_distinct: float
+    predicted_speedup: float
+    tuned: TuneResult | None
+
+
+@dataclass
+class RangeTuneResult:
+    ranges: list[RangeResult]
+    metric: str
+    max_loss: float | None
+    max_experts: float | None
+    cost: CostModel
+    seconds: float = 0.0
+
+    @property
+    def plan(self) -> dict[int, RoutingConfig]:
+        """``{layer: RowRanges}``: what ``save_plan`` writes and every front-end reads."""
+        from sere_fx.config import OFF, RowRanges
+
+        layers = sorted({i for r in self.ranges if r.plan for i in r.plan})
+        return {i: RowRanges(tuple((r.min_rows, OFF if r.plan is None else r.plan[i]) for r in self.ranges))
+                for i in layers}
+
+    def summary(self) -> str:
+        budget = (f"{self.metric} loss <= {self.max_loss}" if self.max_experts is None
+                  else f"experts <= {self.max_experts:g} x baseline")
+        lines = [f"tuned plan that follows the load ({budget} in every range; {self.seconds:.0f} s):",
+                 f"  {'rows':>8}  {'batch':>5}  {'loss':>8}  {'experts/layer':>15}  {'predicted':>9}  settings"]
+        for r in self.ranges:
+            settings = (f"off ({r.why_off})" if r.plan is None else
+                        "; ".join(f"{i}: {_describe(c)}" for i, c in sorted(r.plan.items())))
+            rows = f">= {r.min_rows}"
+            lines.append(f"  {rows:>8}  {r.batch_size:>5}  {r.loss:+8.4f}  {r.baseline_distinct:6.1f} -> "
+                         f"{r.distinct:5.1f}  {'x%.2f' % r.predicted_speedup:>9}  {settings}")
+        return "\n".join(lines)
+
+
+def _describe(c: RoutingConfig) -> str:
+    rho = "" if c.rho is None else f" rho={c.rho:.3f}"
+    n = "" if c.N is None else f" N={c.N:g}"
+    return f"{c.policy} S={c.S}{rho}{n}"
+
+
+def tune_ranges(model: nn.Module, sim, windows: torch.Tensor, *, batch_sizes=DEFAULT_BATCH_SIZES,
+                cost: CostModel | None = None, min_speedup: float = 1.0, progress: bool = True, **kwargs) -> RangeTuneResult:
+    """A plan that follows the load: one range per batch size in ``batch_sizes`` (ascending; the range
+    of ``b`` holds the steps of ``b`` rows up to the next size, the first starts at 1 row), each tuned
+    by ``tune`` at its batch size within the same budget (``kwargs``: ``tune``'s). A range is ``off``
+    where no plan meets the budget, where the tuned plan is the model's own routing, or where
+    ``cost`` (``CostModel``) predicts a layer speed-up below ``min_speedup``. ``windows`` must hold at
+    least the largest batch; each range scores the largest multiple of its batch size that fits."""
+    import time
+
+    sizes = list(batch_sizes)
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes) or sizes != sorted(set(sizes)):
+        raise ArgumentValueError("batch_sizes", f"batch_sizes: expected ascending distinct positive ints, got {batch_sizes!r}")
+    n = int(windows.shape[0])
+    if sizes[-1] > n:
+        raise ArgumentValueError("batch_sizes", f"batch_sizes: the largest ({sizes[-1]}) is more than the {n} sequences "
+                                                f"to tune on; give more sequences or smaller sizes")
+    if not (isinstance(min_speedup, (int, float)) and not isinstance(min_speedup, bool) and math.isfinite(min_speedup)
+            and min_speedup > 0):
+        raise ArgumentValueError("min_speedup", f"min_speedup: expected a number > 0, got {min_speedup!r}")
+    cost = cost or CostModel()
+    if kwargs.get("scorer") is not None:
+        raise ArgumentValueError("scorer", "scorer: plans that follow the load are tuned on a transformers model (each "
+                                           "range decodes at its own batch size); got a scorer")
+    k = max(layer.top_k for layer in find_moe_layers(model))
+    start = time.perf_counter()
+    out = []
+    for i, b in enumerate(sizes):
+        on = windows[: n - n % b]
+        if progress:
+            print(f"tune: range {i + 1}/{len(sizes)}: batch {b}, {on.shape[0]} sequences", flush=True)
+        try:
+            r = tune(model, sim, on, batch_size=b, progress=progress, **kwargs)
+        except ArgumentValueError as exc:
+            if exc.arg != "max_experts":
+                raise
+            out.append(RangeResult(1 if i == 0 else b, b, None, "no plan within the expert budget", 0.0, math.nan,
+                                   math.nan, 1.0, None))
+            continue
+        speedup = cost.speedup(r.baseline_distinct, r.distinct, b * k)
+        why = None
+        if all(c.S >= k and c.policy in ("sere", "oea") for c in r.plan.values()) or r.distinct >= r.baseline_distinct:
+            why = "nothing to re-route within the budget"
+        elif speedup < min_speedup:
+            why = f"predicted x{speedup:.2f} < x{min_speedup:g}"
+        out.append(RangeResult(1 if i == 0 else b, b, None if why else r.plan, why, r.loss if not why else 0.0,
+                               r.distinct if not why else r.baseline_distinct, r.baseline_distinct,
+                               speedup if not why else 1.0, r))
+    tuned = next((r.tuned for r in out if r.tuned is not None), None)
+    result = RangeTuneResult(out, kwargs.get("metric", "nll"), tuned.max_loss if tuned else kwargs.get("max_loss"),
+                             kwargs.get("max_experts"), cost, time.perf_counter() - start)
+    return result

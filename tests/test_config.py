@@ -271,3 +271,43 @@ def test_readme_transformers_quick_start_as_written(tmp_path, monkeypatch, capsy
     assert all(s.calls > 0 and s.distinct_after < s.distinct_before for s in decode)
     assert scope["out"].shape == (3, scope["batch"]["input_ids"].shape[1] + 16)
     assert "'mean_distinct_after'" in capsys.readouterr().out
+
+
+def test_plans_that_follow_the_load_round_trip_and_refuse_bad_ranges(tmp_path):
+    from sere_fx.config import OFF, OffConfig, RowRanges, load_plan
+    from sere_fx.plan import plan_dict, save_plan
+
+    ranges = RowRanges(((1, SereConfig(S=2, rho=0.5)), (16, WeightConfig(S=1, N=0.6)), (128, OFF)))
+    assert [ranges.select(r) for r in (0, 1, 15, 16, 127, 128, 10**6)] == [
+        ranges.configs[0], ranges.configs[0], ranges.configs[0], ranges.configs[1], ranges.configs[1], OFF, OFF]
+    plan = {3: ranges, 5: OEAConfig(S=2)}  # a one-setting layer is the same in every range
+    save_plan(tmp_path / "p.json", plan)
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert [r["min_rows"] for r in data["ranges"]] == [1, 16, 128]
+    assert data["ranges"][2]["layers"] == {"3": {"policy": "off"}, "5": {"policy": "oea", "S": 2, "rho": None}}
+    loaded = load_plan(tmp_path / "p.json")
+    assert loaded[3] == ranges and [loaded[5].select(r) for r in (1, 16, 128)] == [OEAConfig(S=2)] * 3
+    assert load_plan(plan_dict(loaded)) == loaded
+    # a whole range may be "off"; a layer's own entry may carry its ranges (the settings exporters record)
+    whole = load_plan({"ranges": [{"min_rows": 1, "layers": {"0": {"policy": "topk", "S": 1, "rho": None}}},
+                                  {"min_rows": 8, "layers": "off"}]})
+    assert isinstance(whole[0].select(8), OffConfig)
+    assert load_plan({"layers": {"3": ranges.as_dict()}})[3] == ranges
+    for bad, message in (
+        ({"ranges": [{"min_rows": 2, "layers": {"0": {"policy": "off"}}}]}, r"plan\[0\]: ranges: the first range must start at min_rows 1"),
+        ({"ranges": [{"min_rows": 1, "layers": {"0": {"policy": "off"}}}, {"min_rows": 1, "layers": "off"}]},
+         r"plan\[0\]: ranges: expected min_rows an int > 1 \(ascending\), got 1"),
+        ({"ranges": [{"min_rows": 1, "layers": "off"}]}, r"every range is 'off'"),
+        ({"ranges": [{"min_rows": 1, "layers": {"0": {"policy": "off"}}}, {"min_rows": 4, "layers": {"1": {"policy": "off"}}}]},
+         r"the range at min_rows 4 names layers \[1\], expected \[0\]"),
+        ({"ranges": [{"min_rows": 1}]}, r"expected each range to have keys min_rows and layers, got \['min_rows'\]"),
+        ({"layers": {"0": {"policy": "off", "S": 2}}}, r"plan\[0\]: policy 'off' takes no settings, got keys \['S', 'policy'\]"),
+    ):
+        with pytest.raises(ArgumentError, match=message) as err:
+            load_plan(bad)
+        assert err.value.arg == "plan"
+    with pytest.raises(ArgumentError, match=r"ranges: expected \(min_rows, config\) pairs, got 3"):
+        RowRanges((3,))
+    layer = LayerInfo(0, "model.layers.0.mlp", 8, 2)
+    with pytest.raises(ArgumentError, match=r"S \(rows >= 4\): expected an integer in \[1, 2\]"):
+        RowRanges(((1, OFF), (4, SereConfig(S=3)))).for_layer(layer)

@@ -239,3 +239,34 @@ def test_bfloat16_models(family):
         late = sere_fx.transform(tiny_model(family), sim, S=1, rho=0.2, max_tokens=None).to(torch.bfloat16)(ids).logits
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, expected) and torch.equal(late, expected)
+
+
+def test_ranges_route_each_call_as_its_range_alone(tmp_path):
+    """A plan that follows the load: a call of T rows routes exactly as the model transformed with its
+    range's setting alone (``off``: the plain model), eagerly and from an exported program with a
+    dynamic batch; the ranges travel with the model's settings; calls per range are counted."""
+    from sere_fx.config import OFF, OutputConfig, RowRanges, SereConfig
+    from sere_fx.exporters.export import exported_program
+    from tiny_models import calibration_file
+
+    model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    calib = calibration_file(find_moe_layers(model))
+    singles = (OutputConfig(S=1, N=0.5), SereConfig(S=1, rho=0.0), OFF)
+    ranges = RowRanges(((1, singles[0]), (4, singles[1]), (8, OFF)))
+    plain = copy.deepcopy(model)
+    alone = [sere_fx.transform(copy.deepcopy(model), calib, c, max_tokens=None) for c in singles[:2]] + [plain]
+    ranged = sere_fx.transform(copy.deepcopy(model), calib, ranges, max_tokens=None, stats=True)
+    unrecorded = sere_fx.transform(copy.deepcopy(model), calib, ranges, max_tokens=None)  # counters are eager-only
+    program = exported_program(unrecorded, _inputs(model, batch=3, length=1)).module()
+    for batch, which in ((1, 0), (3, 0), (4, 1), (7, 1), (8, 2), (11, 2)):
+        x = _inputs(model, batch=batch, length=1, seed=batch)
+        with torch.no_grad():
+            want, got = alone[which](x).logits, ranged(x).logits
+            exported = program(x)
+        assert torch.equal(got, want), (batch, which)
+        assert torch.allclose(getattr(exported, "logits", exported), want, atol=1e-5), (batch, which)
+        if which < 2:
+            assert not torch.allclose(want, plain(x).logits), "the range's setting must change these logits"
+    counts = {i: s.range_calls for i, s in sere_fx.routing_stats(ranged).items()}
+    assert all(c == {1: 2, 4: 2, 8: 2} for c in counts.values()), counts
+    assert ranged.sere_settings.as_dict()["layers"]["1"]["ranges"][2] == {"min_rows": 8, "policy": "off"}

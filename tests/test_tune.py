@@ -206,3 +206,42 @@ def test_probes_on_a_subset_of_windows(setup, monkeypatch):
     assert s.mean_distinct <= 0.8 * base.mean_distinct + 1e-9 and s.mean_distinct == pytest.approx(result.distinct)
     with pytest.raises(ValueError, match=r"^probe_sequences: expected an int in \[6, 12\] .* got 3$"):
         tune(model, sim, windows, max_experts=0.8, batch_size=6, prefill=2, candidates=cands, probe_sequences=3)
+
+
+def test_ranges_are_each_tuned_at_their_batch_size(setup, tmp_path):
+    """``tune_ranges``: each range's plan, measured apart at its own batch size, is within the budget;
+    the plan file holds one range per size; a range the cost model says cannot pay is off."""
+    from sere_fx.config import OffConfig, RowRanges
+    from sere_fx.plan import load_plan, save_plan
+    from sere_fx.tuning import CostModel, tune_ranges
+
+    model, sim, windows = setup
+    candidates = [("oea", 1, None), ("sere", 1, 0.0)]
+    result = tune_ranges(model, sim, windows, batch_sizes=[1, 6], max_loss=1.0, prefill=2, candidates=candidates,
+                         progress=False, cost=CostModel(1.0, 0.0, 0.0))
+    assert [(r.min_rows, r.batch_size) for r in result.ranges] == [(1, 1), (6, 6)]
+    for r in result.ranges:
+        assert r.plan is not None, r.why_off
+        base = decode_scores(model, windows, batch_size=r.batch_size, prefill=2, progress=False)
+        sere_fx.transform(model, sim, plan=r.plan, max_tokens=None)
+        try:
+            s = decode_scores(model, windows, batch_size=r.batch_size, prefill=2, progress=False)
+        finally:
+            sere_fx.restore(model)
+        assert s.mean_nll - base.mean_nll == pytest.approx(r.loss, abs=1e-9) and r.loss <= 1.0
+        assert s.mean_distinct == pytest.approx(r.distinct) and r.distinct < r.baseline_distinct
+        assert r.predicted_speedup == pytest.approx(r.baseline_distinct / r.distinct)  # experts only
+    save_plan(tmp_path / "p.json", result.plan)
+    loaded = load_plan(tmp_path / "p.json")
+    assert all(isinstance(c, RowRanges) and c.bounds == (1, 6) for c in loaded.values())
+    assert {i: c.select(6) for i, c in loaded.items()} == result.ranges[1].plan
+    assert "rows" in result.summary() and ">= 6" in result.summary()
+    # an op that costs more than any expert it saves: every range is off
+    off = tune_ranges(model, sim, windows, batch_sizes=[6], max_loss=1.0, prefill=2, candidates=candidates,
+                      progress=False, cost=CostModel(1.0, 0.0, 1000.0))
+    assert off.ranges[0].plan is None and "predicted x" in off.ranges[0].why_off
+    assert all(isinstance(c, OffConfig) for c in off.plan.values()) or not off.plan
+    with pytest.raises(ValueError, match=r"batch_sizes: expected ascending distinct positive ints, got \[6, 1\]"):
+        tune_ranges(model, sim, windows, batch_sizes=[6, 1])
+    with pytest.raises(ValueError, match=r"batch_sizes: the largest \(24\) is more than the 12 sequences"):
+        tune_ranges(model, sim, windows, batch_sizes=[1, 24])

@@ -69,6 +69,31 @@ def test_topk_policies_cut_experts_and_leave_prefill_rows_alone(workdir, plain):
             assert layer["distinct_after"] - layer["free_after"] <= N < layer["distinct_before"], layer
 
 
+def test_a_plan_that_follows_the_load_in_a_compiled_engine(workdir, testbed_sim):
+    """Ranges in vLLM's compiled graph: steps of up to 5 decode rows re-route (SERE S=1), steps of 6 and
+    more are off and give the tokens of the same requests opted out (the model's routing in the same
+    compiled engine: compiled and eager bf16 differ); the counters say which range each step took."""
+    sere_layers = {str(i): {"policy": "sere", "S": 1, "rho": 0.0} for i in range(4)}
+    plan = workdir / "ranges_plan.json"
+    plan.write_text(json.dumps({"ranges": [{"min_rows": 1, "layers": sere_layers},
+                                           {"min_rows": 6, "layers": "off"}]}))
+    out = run_engine(workdir, "ranges", sere={"sim": testbed_sim, "plan": str(plan), "stats": True}, eager=False,
+                     max_num_batched_tokens=512,  # each pass prefills in one step, then its requests decode together
+                     passes=[{"prompts": PROMPTS[:4], "max_tokens": 12},
+                             {"prompts": PROMPTS[:12], "max_tokens": 12, "reset_stats": True},
+                             {"prompts": PROMPTS[:4], "max_tokens": 12, "extra_args": [{"sere": False}] * 4},
+                             {"prompts": PROMPTS[:12], "max_tokens": 12, "extra_args": [{"sere": False}] * 12}])
+    few, many, few_plain, many_plain = out["passes"]
+    assert many["tokens"] == many_plain["tokens"], "an off range must be the model's routing"
+    assert few["tokens"] != few_plain["tokens"], "the re-routing range changed no token"
+    for layer in few["stats"].values():
+        assert layer["range_steps_from_1"] == layer["decode_steps"] > 0 and layer["range_steps_from_6"] == 0
+        assert layer["distinct_after"] < layer["distinct_before"]
+    for layer in many["stats"].values():
+        assert layer["range_steps_from_6"] > 0 and layer["range_steps_from_1"] == 0 == layer["decode_steps"]
+    assert "rows >= 6: off" in out["log"]
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2_group"])
 def test_every_moe_layer_of_tiny_families(workdir, family):
     model = write_checkpoint(family, str(workdir / family))

@@ -2,7 +2,7 @@
 
 SPEC: ``model``, ``sere`` (``additional_config["sere"]`` or null), ``eager``, ``prompts``,
 ``max_tokens``, ``tp``, engine sizes, ``speculative_config``, ``extra_args`` (one per prompt, or
-null) and ``passes`` (each ``{"prompts", "max_tokens", "reset_stats"}``; default: one pass over
+null) and ``passes`` (each ``{"prompts", "max_tokens", "reset_stats"[, "extra_args"]}``; default: one pass over
 ``prompts``). OUT: per pass, greedy token ids per prompt and, with ``"stats": true``,
 ``sere_fx.vllm.routing_stats``; the first pass's also at the top level. A separate process
 per engine keeps each engine's memory and plugin state apart, as in a real deployment.
@@ -44,7 +44,7 @@ def main(spec_path: str, out_path: str) -> None:
             import sere_fx.vllm
 
             sere_fx.vllm.reset_routing_stats(llm)
-        extra_args = spec.get("extra_args") or [None] * len(p["prompts"])
+        extra_args = p.get("extra_args") or spec.get("extra_args") or [None] * len(p["prompts"])
         params = [SamplingParams(max_tokens=p.get("max_tokens", 16), temperature=0.0, ignore_eos=True, extra_args=x)
                   for x in extra_args]
         outputs = llm.generate(p["prompts"], params, use_tqdm=False)
