@@ -30,7 +30,7 @@ from sere_fx.errors import ArgumentError, ArgumentTypeError, ArgumentValueError,
 from sere_fx.model_transform import restore, transform
 from sere_fx.placement import Placement, check_layers, rank_load
 from sere_fx.plan import Quantile, parse_budget
-from sere_fx.policies import POLICIES, bypass
+from sere_fx.policies import POLICIES, batch_groups, bypass
 from sere_fx.similarity import as_similarity, layer_tensors, resolve
 
 
@@ -186,9 +186,11 @@ class ExpertCounter:
     (hooks on the experts modules, whatever the policy), while ``decoding`` is set; with a
     ``placement`` also the most loaded EP rank's experts and token-slots, and all ranks' slots."""
 
-    def __init__(self, model: nn.Module, placement: Placement | None = None):
+    def __init__(self, model: nn.Module, placement: Placement | None = None, group: int | None = None):
+        """``group``: count each run of this many rows of a call as a call of its own (``batch_groups``)."""
         layers = find_moe_blocks(model)
         self.placement = placement
+        self.group = group
         self.decoding = False
         self.counts = {layer.index: [0, 0] for layer in layers}  # distinct-expert sum, decode calls
         self.ranked = {layer.index: [0, 0, 0] for layer in layers}  # max-rank distinct, max-rank slots, all slots
@@ -197,8 +199,12 @@ class ExpertCounter:
 
     def _hook(self, index):
         def hook(module, args):
-            if self.decoding:
-                ids = _expert_ids(args)
+            if not self.decoding:
+                return
+            every = _expert_ids(args)
+            rows = max(every.shape[0] if self.group is None else self.group, 1)
+            for start in range(0, every.shape[0], rows):
+                ids = every[start:start + rows]
                 self.counts[index][0] += int(torch.unique(ids).numel())
                 self.counts[index][1] += 1
                 if self.placement is not None:
@@ -232,12 +238,19 @@ def check_decode_args(windows: torch.Tensor, batch_size: int, prefill: int, afte
 
 @torch.no_grad()
 def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 32, prefill: int = 4,
-                  progress: bool = True, desc: str = "decode", placement: Placement | None = None) -> DecodeScores:
+                  progress: bool = True, desc: str = "decode", placement: Placement | None = None,
+                  pack: int = 1) -> DecodeScores:
     """Teacher-forced batched decode over ``windows [N, L]``; scores the L - prefill - 1 decode steps.
-    ``placement``: also count, per decode step, the most loaded EP rank's experts and token-slots."""
+    ``placement``: also count, per decode step, the most loaded EP rank's experts and token-slots.
+    ``pack``: decode ``pack`` batches of ``batch_size`` in one forward, each routed as its own batch
+    (``sere_fx.policies.batch_groups``) and counted as its own (the same scores up to float rounding
+    of the larger matmuls, in a fraction of the forwards when ``batch_size`` is small)."""
     n, length = windows.shape
     check_decode_args(windows, batch_size, prefill)
-    counter = ExpertCounter(model, placement)
+    if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
+        raise ArgumentValueError("pack", f"pack: expected a positive int, got {pack!r}")
+    group, batch_size = (batch_size if pack > 1 else None), batch_size * pack
+    counter = ExpertCounter(model, placement, group)
     device = next(model.parameters()).device
     decoder = CachedDecode(model)
     correct = np.zeros(n, dtype=np.int64)
@@ -251,7 +264,9 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
             decoder.prefill(batch[:, :prefill])
             counter.decoding = True
             for t in range(prefill, length - 1):
-                logp = torch.log_softmax(decoder.step(batch[:, t : t + 1]).float(), dim=-1)
+                with batch_groups(group):  # one row per sequence: groups of ``group`` rows are the batches
+                    logits = decoder.step(batch[:, t : t + 1])
+                logp = torch.log_softmax(logits.float(), dim=-1)
                 target = batch[:, t + 1]
                 nll[start : start + batch.shape[0]] -= logp.gather(1, target[:, None]).squeeze(1).double().cpu().numpy()
                 correct[start : start + batch.shape[0]] += (logp.argmax(-1) == target).cpu().numpy()

@@ -82,6 +82,35 @@ class bypass:
         _BYPASS = self._prev
 
 
+_GROUP: int | None = None
+
+
+class batch_groups:
+    """Context manager: every transformed router routes each run of ``rows`` consecutive rows of a call
+    as a batch of its own (primary and loaded sets, budgets, the plan's range), as if the call were
+    ``T / rows`` separate calls. ``tune`` and ``evaluate`` decode many small batches in one forward
+    this way (one row per sequence in a decode step): batch 1 costs no more passes than batch 32."""
+
+    def __init__(self, rows: int | None):
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise argument_error("rows", f"rows: expected a positive int or None, got {rows!r}")
+        self.rows = rows
+
+    def __enter__(self):
+        global _GROUP
+        self._prev, _GROUP = _GROUP, self.rows
+        return self
+
+    def __exit__(self, *exc):
+        global _GROUP
+        _GROUP = self._prev
+
+
+def _grouped(tokens) -> bool:
+    """Whether this call is split into ``batch_groups`` (eager calls only: traced graphs never are)."""
+    return _GROUP is not None and isinstance(tokens, int) and tokens > _GROUP and not _BYPASS
+
+
 def range_index(bounds, rows) -> int:
     """Which range of a plan that follows the load a call of ``rows`` rows uses: the last one whose
     lower bound (``bounds``: ascending ``min_rows``, the first 1) is at most ``rows`` (0 rows: the first)."""
@@ -186,6 +215,13 @@ def remap_ids(
     """
     k = topk_ids.shape[-1]
     tokens = topk_ids.numel() // k
+    if _grouped(tokens):
+        flat = topk_ids.reshape(-1, k)
+        values = None if topk_values is None else topk_values.reshape(-1, k)
+        parts = [remap_ids(flat[i:i + _GROUP], None if values is None else values[i:i + _GROUP], similarity,
+                           policy=policy, S=S, rho=rho, ranges=ranges, max_tokens=max_tokens, stats=stats,
+                           generator=generator, count_ranges=count_ranges) for i in range(0, tokens, _GROUP)]
+        return torch.cat(parts).reshape(topk_ids.shape)
 
     def branch(setting):
         if setting is None:
@@ -441,6 +477,15 @@ def select_topk(
     ``((min_rows, {"policy", "S", "rho", "N", "rank_budget", "owners"} or None), ...)`` in place of
     the single setting (None: the model's own top-k in that range; ``_by_rows``)."""
     e = scores.shape[-1]
+    if _grouped(scores.numel() // e) and dim in (-1, scores.dim() - 1):
+        flat = scores.reshape(-1, e)
+        parts = [select_topk(flat[i:i + _GROUP], k, -1, largest, sorted, policy=policy, S=S, neutral=neutral, rho=rho,
+                             N=N, rank_budget=rank_budget, owners=owners, ranges=ranges, max_tokens=max_tokens,
+                             stats=stats, predictor=predictor, count_ranges=count_ranges)
+                 for i in range(0, flat.shape[0], _GROUP)]
+        values, ids = torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
+        shape = scores.shape[:-1] + (ids.shape[-1],)
+        return torch.return_types.topk((values.reshape(shape), ids.reshape(shape)))
     settings = _one_range(ranges, policy=policy, S=S, rho=rho, N=N, rank_budget=rank_budget, owners=owners)
     outputs = {s["policy"] for _, s in settings if s is not None and s["policy"] == "output"}
     for _, setting in settings:

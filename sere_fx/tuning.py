@@ -192,10 +192,10 @@ class ModelScorer:
     """Scores plans on a transformers model: ``transform`` with the plan, teacher-forced decode."""
 
     def __init__(self, model: nn.Module, sim, *, batch_size: int, prefill: int, max_tokens: int | None,
-                 placement: Placement | None):
+                 placement: Placement | None, pack: int = 1):
         self.model, self.sim, self.max_tokens = model, sim, max_tokens
         self.layers = find_moe_layers(model)
-        self.kw = dict(batch_size=batch_size, prefill=prefill, progress=False, placement=placement)
+        self.kw = dict(batch_size=batch_size, prefill=prefill, progress=False, placement=placement, pack=pack)
 
     def __call__(self, plan: dict[int, RoutingConfig] | None, windows: torch.Tensor) -> DecodeScores:
         """``plan`` on every layer (None: the model's own routing), scored on ``windows``."""
@@ -211,7 +211,8 @@ class ModelScorer:
 def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None = None,
          max_experts: float | None = None, metric: str = "nll", candidates=None, batch_size: int = 32,
          prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True,
-         placement: Placement | None = None, probe_sequences: int | None = None, scorer=None) -> TuneResult:
+         placement: Placement | None = None, probe_sequences: int | None = None, scorer=None,
+         pack: int = 1) -> TuneResult:
     """Per-layer (policy, S, rho) for ``model`` on tuning ``windows``; see the module doc.
 
     Two budgets, give one: ``max_loss`` (default 0.02 when neither is given): the fewest experts
@@ -227,6 +228,8 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     ``probe_sequences``: run the per-layer probes (step 1, most of the passes) on the first this
     many windows only, against a baseline of the same windows; uniform plans and whole-plan checks
     still run on all of them (None: probes on all).
+    ``pack``: decode this many batches of ``batch_size`` per forward, each routed as its own
+    (``evaluate.decode_scores``): the same scores in fewer forwards where ``batch_size`` is small.
     ``scorer``: how a plan is scored (``ModelScorer`` on ``model`` by default; the vLLM engine's is
     ``sere_fx.vllm.evaluate.EngineScorer``, with ``model`` None): ``scorer(plan or None, windows)``
     gives ``DecodeScores``, ``scorer.layers`` the MoE layers.
@@ -252,7 +255,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     sim = as_similarity(sim)
     if scorer is None:
         scorer = ModelScorer(model, sim, batch_size=batch_size, prefill=prefill, max_tokens=max_tokens,
-                             placement=placement)
+                             placement=placement, pack=pack)
     layers = scorer.layers
     check_layers(placement, layers)
     matrices = resolve(sim, layers)
@@ -363,6 +366,8 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
 # --- plans that follow the load --------------------------------------------------------------
 
 DEFAULT_BATCH_SIZES = (1, 8, 16, 32, 64, 128)
+# A range of small batches decodes this many rows per forward (``pack``): batch 1 as 32 batches of 1.
+PACK_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -475,7 +480,7 @@ def tune_ranges(model: nn.Module, sim, windows: torch.Tensor, *, batch_sizes=DEF
         if progress:
             print(f"tune: range {i + 1}/{len(sizes)}: batch {b}, {on.shape[0]} sequences", flush=True)
         try:
-            r = tune(model, sim, on, batch_size=b, progress=progress, **kwargs)
+            r = tune(model, sim, on, batch_size=b, progress=progress, pack=max(1, PACK_ROWS // b), **kwargs)
         except ArgumentValueError as exc:
             if exc.arg != "max_experts":
                 raise

@@ -202,3 +202,29 @@ def test_pareto_labels_name_the_policy_and_do_not_overlap():
         for j in range(i):
             assert not boxes[i].overlaps(boxes[j]), (texts[i].get_text(), texts[j].get_text())
     plt.close(fig)
+
+
+def test_packed_batches_score_as_separate_batches():
+    """``decode_scores(pack=P)``: P batches per forward, each routed and counted as its own batch, give
+    the scores of decoding them one batch at a time (for batch-aware policies of every kind)."""
+    import sere_fx
+    from sere_fx.discovery import find_moe_layers
+    from sere_fx.evaluate import decode_scores
+    from tiny_models import calibration_file, tiny_model
+
+    model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    calib = calibration_file(find_moe_layers(model))
+    windows = torch.randint(3, 90, (12, 9), generator=torch.Generator().manual_seed(0))
+    for config in (sere_fx.SereConfig(S=1, rho=0.0), sere_fx.OutputConfig(S=1, N=0.5), sere_fx.OEAConfig(S=1)):
+        sere_fx.transform(model, calib, config, max_tokens=None)
+        try:
+            for batch, pack in ((1, 12), (3, 2), (3, 4)):
+                alone = decode_scores(model, windows, batch_size=batch, prefill=2, progress=False)
+                packed = decode_scores(model, windows, batch_size=batch, prefill=2, progress=False, pack=pack)
+                assert np.array_equal(alone.correct, packed.correct)
+                assert np.allclose(alone.nll, packed.nll, rtol=0, atol=1e-4)
+                assert alone.distinct == packed.distinct, (config, batch, pack)
+            big = decode_scores(model, windows, batch_size=12, prefill=2, progress=False)
+            assert big.distinct[0] > alone.distinct[0], "the packed batches must not be routed as one"
+        finally:
+            sere_fx.restore(model)

@@ -228,7 +228,8 @@ def test_ranges_are_each_tuned_at_their_batch_size(setup, tmp_path):
             s = decode_scores(model, windows, batch_size=r.batch_size, prefill=2, progress=False)
         finally:
             sere_fx.restore(model)
-        assert s.mean_nll - base.mean_nll == pytest.approx(r.loss, abs=1e-9) and r.loss <= 1.0
+        # tune decodes small batches packed into larger forwards: the same routing, float rounding apart
+        assert s.mean_nll - base.mean_nll == pytest.approx(r.loss, abs=1e-6) and r.loss <= 1.0
         assert s.mean_distinct == pytest.approx(r.distinct) and r.distinct < r.baseline_distinct
         assert r.predicted_speedup == pytest.approx(r.baseline_distinct / r.distinct)  # experts only
     save_plan(tmp_path / "p.json", result.plan)
