@@ -36,12 +36,15 @@ if not any(isinstance(f, _SourceTreeFinder) for f in _sys.meta_path):
 
 from sere_fx import ops  # noqa: E402,F401  (registers torch.ops.sere.reroute)
 from sere_fx.config import (
+    OFF,
     LeastSimilarConfig,
     OEAConfig,
+    OffConfig,
     OutputConfig,
     Quantile,
     RandomConfig,
     RoutingConfig,
+    RowRanges,
     SereConfig,
     TopKConfig,
     WeightConfig,
@@ -50,7 +53,7 @@ from sere_fx.errors import ArgumentError
 from sere_fx.placement import Placement
 from sere_fx.passes.matcher import RoutingMatchError
 from sere_fx.plan import LayerPlan, load_plan, save_plan
-from sere_fx.policies import POLICIES, bypass
+from sere_fx.policies import POLICIES, batch_groups, bypass
 from sere_fx.similarity import Similarity
 from sere_fx.stats import LayerStats
 from sere_fx.tuning import tune
@@ -76,6 +79,9 @@ __all__ = [
     "TopKConfig",
     "LeastSimilarConfig",
     "RandomConfig",
+    "RowRanges",
+    "OffConfig",
+    "OFF",
     "ArgumentError",
     "Placement",
     "tune",
@@ -90,6 +96,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "POLICIES",
     "bypass",
+    "batch_groups",
     "Quantile",
     "LayerPlan",
     "load_plan",

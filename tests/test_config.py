@@ -311,3 +311,27 @@ def test_plans_that_follow_the_load_round_trip_and_refuse_bad_ranges(tmp_path):
     layer = LayerInfo(0, "model.layers.0.mlp", 8, 2)
     with pytest.raises(ArgumentError, match=r"S \(rows >= 4\): expected an integer in \[1, 2\]"):
         RowRanges(((1, OFF), (4, SereConfig(S=3)))).for_layer(layer)
+
+
+def test_docs_ranges_example_as_written(tmp_path, monkeypatch):
+    import os
+
+    from sere_fx import OFF, OutputConfig, RowRanges, SereConfig
+    from tiny_models import calibration_file
+
+    code = doc_pages.block("transform.md", "python", "RowRanges(((1,")
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("sere-demo")
+    calibration_file([LayerInfo(i, f"model.layers.{i}.mlp", 64, 8) for i in range(4)]).save("sere-demo/sim.safetensors")
+    scope = {}
+    exec(compile(code, "docs/transform.md", "exec"), scope)
+    model = scope["model"]
+    want = RowRanges(((1, OutputConfig(S=1, N=0.5)), (32, SereConfig(S=2, rho=0.0)), (128, OFF)))
+    assert model.sere_settings.layers == dict.fromkeys(range(4), want)
+    assert [r["min_rows"] for r in json.load(open("ranges.json"))["ranges"]] == [1, 32, 128]
+    assert sere_fx.load_plan("ranges.json") == model.sere_settings.layers
+    x = torch.randint(3, 100, (40, 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(x[:5])
+        model(x)
+    assert all(s.range_calls == {1: 1, 32: 1} for s in sere_fx.routing_stats(model).values())

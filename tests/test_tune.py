@@ -1,6 +1,7 @@
 """``tune``: the knapsack choice against brute force, and the budget on a tiny model."""
 
 import itertools
+import os
 import random
 
 import numpy as np
@@ -246,3 +247,63 @@ def test_ranges_are_each_tuned_at_their_batch_size(setup, tmp_path):
         tune_ranges(model, sim, windows, batch_sizes=[6, 1])
     with pytest.raises(ValueError, match=r"batch_sizes: the largest \(24\) is more than the 12 sequences"):
         tune_ranges(model, sim, windows, batch_sizes=[1, 24])
+
+
+def test_docs_ranges_tune_command_as_typed_but_smaller(tmp_path, capsys, monkeypatch):
+    """evaluation.md's `tune --batch-sizes` line on the test-bed, as typed except for its size (4
+    sequences of 2 scored steps, batch sizes 1 and 4): the plan holds one range per size."""
+    import json
+    import shlex
+
+    import doc_pages
+    from sere_fx.calibration import calibrate
+    from sere_fx.cli import main
+    from sere_fx.resources import testbed_model
+    from transformers import AutoModelForCausalLM
+
+    block = doc_pages.block("evaluation.md", "bash", "--batch-sizes 1 8 16 32 64 128")
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:2] == ["sere-fx", "tune"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sere-demo").mkdir()
+    model_dir = testbed_model()
+    plain = AutoModelForCausalLM.from_pretrained(model_dir)
+    windows = torch.randint(1, plain.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    calibrate(plain, [windows], progress=False).save("sere-demo/sim.safetensors")
+    argv = [a.replace("sere_fx/data/testbed/", os.path.dirname(model_dir) + "/") for a in argv[2:]]
+    sizes = argv.index("--batch-sizes")
+    argv = argv[:sizes + 1] + ["1", "4"] + argv[sizes + 7:] + ["--num-seqs", "4", "--steps", "2"]
+    assert main(["tune", *argv]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    plan = json.load(open("plan_ranges.json"))
+    assert [r["min_rows"] for r in plan["ranges"]] == [1, 4]
+    assert [r["batch_size"] for r in plan["tuned"]["ranges"]] == [1, 4]
+    for r in plan["tuned"]["ranges"]:
+        assert r["off"] is not None or r["loss"] <= 0.01
+    assert "tuned plan that follows the load (accuracy loss <= 0.01 in every range" in out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--cost", "1,2,3"], "--cost: only used with --batch-sizes (a plan that follows the load), got --cost without it"),
+    (["--min-speedup", "1.1"], "--min-speedup: only used with --batch-sizes"),
+    (["--batch-sizes", "1", "8", "--batch-size", "8"], "--batch-size: --batch-sizes tunes each range at its own size"),
+    (["--batch-sizes", "1", "8", "--probe-sequences", "8"], "--probe-sequences: not used with --batch-sizes"),
+    (["--batch-sizes", "1", "8", "--engine", "vllm"], "--batch-sizes: plans that follow the load are tuned on the "
+                                                      "transformers path"),
+])
+def test_ranges_options_are_refused_in_one_line(tmp_path, capsys, extra, message):
+    from sere_fx.cli import main
+
+    rc = main(["tune", "--model", str(tmp_path), "--sim", "s", "--data", "d", "--out", str(tmp_path / "p.json"), *extra])
+    err = capsys.readouterr().err
+    assert rc != 0 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cost_option_is_checked_by_the_parser(capsys):
+    from sere_fx.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", "--model", "m", "--sim", "s", "--data", "d", "--out", "p", "--cost", "1,2"])
+    assert exit_.value.code == 2
+    assert "--cost: expected EXPERT_US,SLOT_US,OP_US (three numbers), got '1,2'" in capsys.readouterr().err
