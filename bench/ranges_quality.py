@@ -1,0 +1,73 @@
+"""Plans across batch sizes: retention and distinct experts of routing plans at every decode batch,
+on held-out text (tokens 40000: of the test-bed's public text; the plans were tuned on 0:40000).
+
+For each batch size, teacher-forced batched decode of 69-token windows (4 prefill tokens, 64 scored
+steps), baseline and each plan on the same windows, paired: top-1 retention (accuracy / baseline
+accuracy) with its 95% paired bootstrap interval, and distinct experts per layer per decode step
+before and after. Batches below 32 rows are decoded packed (``decode_scores(pack=...)``: each batch
+routed and counted as its own). A plan of ranges takes each batch's own range.
+
+    python bench/ranges_quality.py --plans plan_ranges.json sere:S=2,rho=0 \\
+        --sim sim.safetensors --out bench/results/ranges_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import sere_fx
+from sere_fx.calibration import read_documents, token_windows
+from sere_fx.evaluate import decode_scores, paired_bootstrap, parse_policy
+from sere_fx.resources import testbed_model, testbed_text
+
+# windows per batch size: enough for a ~+-1% interval from batch 16 up (a batch-1 interval is wider)
+WINDOWS = {1: 32, 8: 64, 16: 128, 32: 128, 64: 128, 128: 256}
+PACK_ROWS = 32
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--plans", nargs="+", required=True, help="eval specs: plan:PATH, a plan .json path, or e.g. sere:S=2,rho=0")
+    p.add_argument("--sim", required=True)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=sorted(WINDOWS))
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    model = AutoModelForCausalLM.from_pretrained(testbed_model(), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(testbed_model())
+    docs = read_documents(testbed_text())
+    held = token_windows(tokenizer, docs, 69, max(WINDOWS.values()), token_range=(40000, None))
+    specs = [parse_policy(f"plan:{s}" if s.endswith(".json") and not s.startswith("plan:") else s) for s in args.plans]
+    rows = []
+    for b in args.batch_sizes:
+        n = min(WINDOWS.get(b, 128), held.shape[0])
+        n -= n % b
+        windows = held[:n]
+        kw = dict(batch_size=b, prefill=4, progress=False, pack=max(1, PACK_ROWS // b))
+        start = time.perf_counter()
+        base = decode_scores(model, windows, **kw)
+        for spec in specs:
+            sere_fx.transform(model, args.sim, spec.routing(None), max_tokens=None)
+            try:
+                s = decode_scores(model, windows, **kw)
+            finally:
+                sere_fx.restore(model)
+            ci = paired_bootstrap(base, s)
+            row = {"batch": b, "windows": n, "plan": spec.label, "retention": s.accuracy / base.accuracy,
+                   "retention_ci": ci["retention_ci"], "dnll": s.mean_nll - base.mean_nll, "dnll_ci": ci["dnll_ci"],
+                   "experts_before": base.mean_distinct, "experts_after": s.mean_distinct}
+            rows.append(row)
+            print(f"batch {b:>3} ({n} windows) {spec.label:>28}: retention {row['retention']:.4f} "
+                  f"[{ci['retention_ci'][0]:.4f}, {ci['retention_ci'][1]:.4f}], experts {base.mean_distinct:.1f} -> "
+                  f"{s.mean_distinct:.1f} ({s.mean_distinct / base.mean_distinct - 1:+.0%})", flush=True)
+        print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"rows": rows, "plans": args.plans}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
