@@ -257,6 +257,17 @@ class OffConfig(RoutingConfig):
 OFF = OffConfig()
 
 
+def range_index(bounds, rows) -> int:
+    """Which range of a plan that follows the load a call of ``rows`` rows uses: the last one whose
+    lower bound (``bounds``: ascending ``min_rows``, the first 1) is at most ``rows`` (0 rows: the first).
+    The one rule every front-end applies (``policies._by_rows``, the vLLM plugin's step)."""
+    i = 0
+    for j, low in enumerate(bounds):
+        if rows >= low:
+            i = j
+    return i
+
+
 @dataclass(frozen=True, init=False)
 class RowRanges(RoutingConfig):
     """Settings that follow the load: ``ranges`` is ``((min_rows, config), ...)``, ascending from 1; a call
@@ -304,8 +315,7 @@ class RowRanges(RoutingConfig):
         return tuple(c for _, c in self.ranges)
 
     def select(self, rows: int) -> RoutingConfig:
-        """The config of a call with ``rows`` rows (the rule is ``sere_fx.policies.range_index``)."""
-        from sere_fx.policies import range_index
+        """The config of a call with ``rows`` rows (``range_index``)."""
         return self.ranges[range_index(self.bounds, rows)][1]
 
     @property

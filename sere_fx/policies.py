@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import torch
 
-from sere_fx.config import INDEX_POLICIES, POLICIES  # noqa: F401  (the policy names live with their configs)
+from sere_fx.config import INDEX_POLICIES, POLICIES, range_index  # noqa: F401  (the policy names live with their configs)
 from sere_fx.errors import argument_error
 from sere_fx.ops import apply_table, primary_mask, remap_table
 
@@ -109,16 +109,6 @@ class batch_groups:
 def _grouped(tokens) -> bool:
     """Whether this call is split into ``batch_groups`` (eager calls only: traced graphs never are)."""
     return _GROUP is not None and isinstance(tokens, int) and tokens > _GROUP and not _BYPASS
-
-
-def range_index(bounds, rows) -> int:
-    """Which range of a plan that follows the load a call of ``rows`` rows uses: the last one whose
-    lower bound (``bounds``: ascending ``min_rows``, the first 1) is at most ``rows`` (0 rows: the first)."""
-    i = 0
-    for j, low in enumerate(bounds):
-        if rows >= low:
-            i = j
-    return i
 
 
 def _by_rows(tokens, max_tokens: int | None, stats, branches, model_fn, operands: tuple, count: bool = True):

@@ -364,7 +364,7 @@ def test_readme_tune_and_eval_commands(tmp_path, capsys, monkeypatch):
 
     from sere_fx.resources import testbed_model, testbed_text
 
-    block = doc_pages.block("evaluation.md", "bash", "sere-fx tune ")
+    block = doc_pages.block("evaluation.md", "bash", "sere-fx tune --model DIR ")
     commands = [" ".join(part.strip() for part in line.split("\\\n")) for line in re.split(r"\n(?=sere-fx )", block)]
     assert [c.split()[1] for c in commands] == ["tune", "eval"]
     monkeypatch.chdir(tmp_path)

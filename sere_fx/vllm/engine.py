@@ -35,14 +35,13 @@ import torch
 from sere_fx.kernels import reroute_cpu
 from sere_fx.ops import free_experts, primary_mask, reroute_kernel
 from sere_fx.placement import Placement
-from sere_fx.config import OffConfig, RowRanges
-from sere_fx.policies import TOPK_POLICIES, range_index
+from sere_fx.config import OffConfig, RowRanges, range_index
+from sere_fx.policies import TOPK_POLICIES
 from sere_fx.stats import repeated_slots
 from sere_fx.vllm import slots
 from sere_fx.vllm.log import logger as _logger
-from sere_fx.vllm.metrics import RANGE_PREFIX
 from sere_fx.vllm.routing import LayerRouting, RangeRouting, RouterScores, install, predictor_refusal, uninstall
-from sere_fx.vllm.settings import (REQUEST_KEY, WHERE, EngineLayer, SettingsError, parse, request_reroutes, resolve_layers,
+from sere_fx.vllm.settings import (RANGE_PREFIX, REQUEST_KEY, WHERE, EngineLayer, SettingsError, parse, request_reroutes, resolve_layers,
                                    to_device)
 
 

@@ -27,6 +27,8 @@ import tempfile
 import threading
 import time
 
+from sere_fx.vllm.settings import RANGE_PREFIX
+
 ENV_DIR = "SERE_FX_METRICS_DIR"
 _INTERVAL_S = 1.0
 
@@ -45,8 +47,6 @@ _COUNTERS = (
     ("sere_fx_token_slots_after", "slots_after",
      "token-slots of the re-routed rows the MoE kernel computes (merged slots count once)"),
 )
-
-RANGE_PREFIX = "range_steps_from_"  # sere_fx.vllm.engine.range_key
 
 _COLLECTOR = None
 

@@ -40,6 +40,9 @@ SPEC_DECODE = ("reroute", "keep")
 # The per-request switch: SamplingParams(extra_args={"sere": False}) keeps a request's rows on
 # the model's routing (``"vllm_xargs": {"sere": false}`` through the OpenAI server).
 REQUEST_KEY = "sere"
+# The statistic of a plan's range in routing_stats and /metrics: steps whose row count fell in the
+# range from min_rows (``sere_fx.vllm.engine.range_key``).
+RANGE_PREFIX = "range_steps_from_"
 
 
 class SettingsError(ValueError):
