@@ -188,12 +188,12 @@ def test_every_mistake_is_one_line_naming_the_argument(tmp_path, capsys):
 def test_unexpected_errors_are_one_line_unless_debugging(tmp_path, capsys, monkeypatch):
     import pytest
 
-    import sere_fx.cli
+    import sere_fx.cli.export
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire\nsecond line")
 
-    monkeypatch.setattr(sere_fx.cli, "_load_model", broken)
+    monkeypatch.setattr(sere_fx.cli.export, "_load_model", broken)
     argv = ["export", "--model", tmp_path, "--format", "pt2", "--out", tmp_path / "m.pt2"]
     rc, _, err = cli(capsys, *argv)
     assert rc == 2 and err.strip() == "sere-fx export: error: RuntimeError: disk on fire (--debug shows the traceback)"
