@@ -64,6 +64,11 @@ def _experts_implementation(model: nn.Module, name: str | None):
 
 
 def _check_exportable(model: nn.Module) -> None:
+    from sere_fx.expert_cache import is_offloaded
+
+    if is_offloaded(model):
+        raise ArgumentValueError("model", "model: its experts are offloaded (sere_fx.offload): an artifact holds every "
+                                          "weight in its graph and has no expert cache; export the model as loaded")
     settings = getattr(model, "sere_settings", None)
     ranged = sorted(i for i, lp in (settings.layers.items() if settings is not None else ())
                     if isinstance(lp, RowRanges) and any(c.policy == "topk" for _, c in lp.ranges))

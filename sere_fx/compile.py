@@ -19,7 +19,7 @@ import torch
 from torch import fx
 from torch._dynamo.utils import counters
 
-from sere_fx.config import LayerInfo, calibration_need, plan_for_layers, restrict, routing_spec
+from sere_fx.config import LayerInfo, cache_policy, calibration_need, plan_for_layers, restrict, routing_spec
 from sere_fx.discovery import layer_index
 from sere_fx.errors import ArgumentValueError
 from sere_fx.model_transform import DEFAULT_MAX_TOKENS, check_max_tokens
@@ -78,6 +78,9 @@ class SereBackend:
         self.sim = as_similarity(sim) if sim is not None else None
         if self.sim is None and (need := calibration_need(self.spec)) is not None:
             raise ArgumentValueError("sim", f"sim: policy {need[0]!r} {need[1]}, got None")
+        if (p := cache_policy(self.spec)) is not None:
+            raise ArgumentValueError("policy", f"policy: {p!r} reads an offload cache's resident set, which a compiled "
+                                               "graph does not carry; use it on a model from sere_fx.offload, eagerly")
         self.max_tokens, self.strict, self.inner = max_tokens, strict, inner
         self.sites_rewritten = 0
         self.layers_rewritten: set[int] = set()

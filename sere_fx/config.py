@@ -86,6 +86,7 @@ class RoutingConfig:
     policy: ClassVar[str]
     needs_similarity: ClassVar[bool] = False  # reads an expert-similarity matrix (an index policy)
     needs_predictor: ClassVar[bool] = False  # reads an output-size predictor (from the same calibration file)
+    needs_cache: ClassVar[bool] = False  # reads an offload cache's resident set (``sere_fx.offload``)
     rho = None  # the field of the index policies (``weight``: its importance threshold)
     N = None  # ``weight`` only: its expert budget
 
@@ -240,6 +241,27 @@ class OutputConfig(WeightConfig):
 
 
 @dataclass(frozen=True)
+class PriorConfig(RoutingConfig):
+    """``prior`` (the Cache-Prior rule, for offloaded models): each token keeps its top-S and picks its
+    other experts with the resident ones' scores lifted by ``rho`` times its score range, so it takes a
+    resident expert over a missing one unless the missing one is far ahead (``sere_fx.policies.prior_select``).
+    ``rho``: the prior's strength, a float >= 0 (0: the model's own routing)."""
+
+    S: int = 1
+    rho: float = 0.5
+
+    policy: ClassVar[str] = "prior"
+    needs_cache: ClassVar[bool] = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        rho = finite_float("rho", self.rho)
+        if rho < 0:
+            raise argument_error("rho", f"rho: expected the prior's strength, a float >= 0, got {rho}")
+        object.__setattr__(self, "rho", rho)
+
+
+@dataclass(frozen=True)
 class OffConfig(RoutingConfig):
     """``off``: the model's own routing. No op is called and nothing is re-routed: the layer computes
     exactly as without sere-fx. A setting of plans whose ranges leave some batch sizes alone
@@ -327,6 +349,10 @@ class RowRanges(RoutingConfig):
         return any(c.needs_predictor for _, c in self.ranges)
 
     @property
+    def needs_cache(self) -> bool:
+        return any(c.needs_cache for _, c in self.ranges)
+
+    @property
     def rho(self):  # one range's value is not the layer's; messages read the ranges
         return None
 
@@ -357,7 +383,7 @@ def _check_budget(name: str, value, unit: str, of: str) -> None:
 
 CONFIGS: dict[str, type[RoutingConfig]] = {
     c.policy: c for c in (SereConfig, LeastSimilarConfig, RandomConfig, TopKConfig, OEAConfig, WeightConfig,
-                          OutputConfig)
+                          OutputConfig, PriorConfig)
 }
 POLICIES = tuple(CONFIGS)
 INDEX_POLICIES = tuple(p for p, c in CONFIGS.items() if c.needs_similarity)  # take rho, read a similarity
@@ -386,7 +412,7 @@ def config(policy: str | None = None, S: int | None = None, rho=None, N=None, *,
         if N is not None:
             raise argument_error("N", f"N: only policies {list(BUDGET_POLICIES)} take an expert budget (leave it None "
                                       f"for {policy!r}), got {N!r}")
-        if cls.needs_similarity:
+        if cls.needs_similarity or cls.needs_cache:  # a similarity threshold, or the prior's strength
             if rho is not None:
                 kwargs["rho"] = rho
         elif rho is not None:
@@ -549,6 +575,12 @@ def calibration_need(spec) -> tuple[str, str] | None:
         if cls is not None and cls.needs_predictor:
             return p, "needs the output-size predictors of a similarity file (sere-fx calibrate writes them)"
     return None
+
+
+def cache_policy(spec) -> str | None:
+    """A policy of ``spec`` that reads an offload cache's resident set (``prior``), or None: what front-ends
+    that cannot carry an offloaded model refuse."""
+    return next((p for p in sorted(spec_policies(spec)) if p in CONFIGS and CONFIGS[p].needs_cache), None)
 
 
 def needs_similarity(spec) -> bool:

@@ -61,7 +61,8 @@ def expert_count(experts: nn.Module, where: str) -> int:
 
 
 def _example_input(experts: nn.Module, hidden_size: int, allow_meta: bool) -> torch.Tensor:
-    p = next(experts.parameters(), None)
+    # an offloaded layer's weights are buffers (its cache's slots)
+    p = next((t for t in (*experts.parameters(), *experts.buffers()) if t.is_floating_point()), None)
     dtype = p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
     device = p.device if p is not None else torch.device("cpu")
     if device.type == "meta":

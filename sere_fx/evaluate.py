@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from sere_fx.config import calibration_need, config, needs_similarity, plan_for_layers, routing_spec
 from sere_fx.discovery import find_moe_blocks, find_moe_layers
 from sere_fx.errors import ArgumentError, ArgumentTypeError, ArgumentValueError, argument_error
+from sere_fx.expert_cache import counting, offloaded_layers
 from sere_fx.model_transform import restore, transform
 from sere_fx.placement import Placement, check_layers, rank_load
 from sere_fx.plan import Quantile, parse_budget
@@ -70,6 +71,8 @@ def parse_policy(text: str) -> PolicySpec:
     text = text.strip()
     if text == "baseline":
         return PolicySpec("baseline", None)
+    if text == BASELINE_OFFLOAD:  # the model's own routing on an offloaded model: exact routing, LRU cache
+        return PolicySpec(BASELINE_OFFLOAD, None)
     name, _, rest = text.partition(":")
     if name == "plan":
         if not rest:
@@ -101,6 +104,18 @@ def parse_policy(text: str) -> PolicySpec:
     return PolicySpec(text, kwargs)
 
 
+BASELINE_OFFLOAD = "lru"  # the baseline's label on an offloaded model
+
+# ``eval --offload``'s standard set: exact routing with LRU (the baseline), the Cache-Prior rule, and
+# sere-fx's policies, which on an offloaded model see the cache's resident set (sere_fx.expert_cache).
+OFFLOAD_POLICIES = (
+    "lru",
+    "prior:S=1,rho=0.5",
+    "sere:S=1,rho=0.5",
+    "sere:S=1,rho=0.3",
+    "weight:S=1,rho=0.02",
+)
+
 DEFAULT_POLICIES = (
     "baseline",
     "sere:S=2,rho=0.5",
@@ -125,6 +140,8 @@ class DecodeScores:
     rank_distinct: dict[int, float] | None = None
     rank_slots: dict[int, float] | None = None
     slots: dict[int, float] | None = None
+    # an offloaded model (``sere_fx.offload``): per MoE layer, its cache's counters over the decode steps
+    cache: dict[int, dict] | None = None
 
     @property
     def accuracy(self) -> float:
@@ -250,6 +267,12 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
         raise ArgumentValueError("pack", f"pack: expected a positive int, got {pack!r}")
     group, batch_size = (batch_size if pack > 1 else None), batch_size * pack
+    caches = offloaded_layers(model)
+    if caches and pack > 1:
+        raise ArgumentValueError("pack", f"pack: an offloaded model's caches serve one batch at a time; expected 1, "
+                                         f"got {pack}")
+    for c in caches.values():  # every policy starts from an empty cache
+        c.reset()
     counter = ExpertCounter(model, placement, group)
     device = next(model.parameters()).device
     decoder = CachedDecode(model)
@@ -261,7 +284,8 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
         for start in range(0, n, batch_size):
             batch = windows[start : start + batch_size].to(device)
             counter.decoding = False
-            decoder.prefill(batch[:, :prefill])
+            with counting(model, False):  # prefill fills the caches, as in serving, and is not counted
+                decoder.prefill(batch[:, :prefill])
             counter.decoding = True
             for t in range(prefill, length - 1):
                 with batch_groups(group):  # one row per sequence: groups of ``group`` rows are the batches
@@ -275,9 +299,10 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
         counter.remove()
         bar.close()
     tokens = np.full(n, length - prefill - 1, dtype=np.int64)
+    cache = {i: c.counters.as_dict() for i, c in caches.items()} or None
     if placement is None:
-        return DecodeScores(correct, nll, tokens, counter.distinct())
-    return DecodeScores(correct, nll, tokens, counter.distinct(), *counter.per_rank())
+        return DecodeScores(correct, nll, tokens, counter.distinct(), cache=cache)
+    return DecodeScores(correct, nll, tokens, counter.distinct(), *counter.per_rank(), cache=cache)
 
 
 def paired_bootstrap(base: DecodeScores, other: DecodeScores, resamples: int = 2000, seed: int = 0) -> dict:
@@ -318,6 +343,12 @@ class PolicyResult:
     max_rank_slots: float | None = None
     slots: float | None = None  # all ranks' token-slots per layer per step
     max_rank_distinct_per_layer: dict | None = None
+    # an offloaded model: experts fetched (cache misses) and bytes read per decode token per layer
+    # (means over layers), the cache's hit rate, and each layer's counters
+    fetches_per_token: float | None = None
+    bytes_per_token: float | None = None
+    hit_rate: float | None = None
+    cache_per_layer: dict | None = None
 
 
 @dataclass
@@ -344,15 +375,23 @@ class EvalReport:
             f"{'experts/layer':>14} {'vs base':>8}"
         ]
         ep = base.max_rank_distinct is not None
+        offload = base.fetches_per_token is not None
         if ep:
             lines[0] += f" {'max-rank experts':>17} {'max-rank slots':>15}"
+        if offload:
+            lines[0] += f" {'fetches/token/layer':>20} {'vs ' + base.label:>8} {'KiB/token/layer':>16} {'hit rate':>9}"
         for r in self.results:
             lines.append(
                 f"{r.label:<28} {r.accuracy:>6.4f} {r.retention:>7.4f} [{r.retention_ci[0]:.4f}, {r.retention_ci[1]:.4f}]"
                 f" {r.nll:>7.4f} {r.dnll:>+8.4f} [{r.dnll_ci[0]:+.4f}, {r.dnll_ci[1]:+.4f}]"
                 f" {r.distinct:>14.1f} {100 * (r.distinct / base.distinct - 1):>+7.1f}%"
                 + (f" {r.max_rank_distinct:>17.2f} {r.max_rank_slots:>15.1f}" if ep else "")
+                + (f" {r.fetches_per_token:>20.3f} {_ratio(r.fetches_per_token, base.fetches_per_token):>8}"
+                   f" {r.bytes_per_token / 1024:>16.1f} {r.hit_rate:>9.3f}" if offload else "")
             )
+        if offload:
+            lines.append(f"(fetches: experts read from the slower tier (cache misses) per decode token, mean over layers; "
+                         f"cache of {self.config['offload']['cache']} per layer, {self.config['offload']['tier']} tier)")
         if ep:
             lines.append(f"(max-rank: the most loaded of {self.config['ep']['ranks']} EP ranks "
                          f"({self.config['ep']['strategy']} placement) per layer per decode step, mean over layers)")
@@ -371,6 +410,10 @@ class EvalReport:
                         xlabel=f"distinct experts on the most loaded of {ep['ranks']} EP ranks ({ep['strategy']}) "
                                "per layer per decode step")
         return paths
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"x{value / base:.2f}" if base else "-"
 
 
 def _annotate(ax, points) -> list:
@@ -492,7 +535,8 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
     if baseline is None:
         baseline = decode_scores(model, windows, batch_size=batch_size, prefill=prefill, progress=progress,
                                  desc="baseline", placement=placement)
-    scored = [("baseline", baseline, None)]
+    caches = offloaded_layers(model)
+    scored = [(BASELINE_OFFLOAD if caches else "baseline", baseline, None)]
     for spec in specs:
         routing = routings[spec.label]
         transform(model, sim if needs_similarity(routing) else None, routing, max_tokens=max_tokens)
@@ -508,7 +552,22 @@ def evaluate(model: nn.Module, windows: torch.Tensor, policies, sim=None, *, bat
               "window": int(windows.shape[1]), "scored_tokens": int(baseline.tokens.sum()), "max_tokens": max_tokens}
     if placement is not None:
         config["ep"] = {"ranks": placement.ranks, "strategy": placement.strategy}
+    if caches:
+        sizes = sorted({c.capacity for c in caches.values()})
+        config["offload"] = {"cache": sizes[0] if len(sizes) == 1 else {str(i): c.capacity for i, c in caches.items()},
+                             "tier": "disk" if all(hasattr(c.store, "path") for c in caches.values()) else "memory"}
     return build_report(scored, config, placement)
+
+
+def _cache_fields(cache: dict[int, dict]) -> dict:
+    """``PolicyResult``'s offload fields from per-layer cache counters."""
+    def per_token(key):
+        return float(np.mean([c[key] / c["tokens"] if c["tokens"] else 0.0 for c in cache.values()]))
+
+    hits, misses = sum(c["hits"] for c in cache.values()), sum(c["misses"] for c in cache.values())
+    return dict(fetches_per_token=per_token("misses"), bytes_per_token=per_token("bytes"),
+                hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+                cache_per_layer={str(i): c for i, c in cache.items()})
 
 
 def build_report(scored, config: dict, placement: Placement | None = None) -> EvalReport:
@@ -527,5 +586,6 @@ def build_report(scored, config: dict, placement: Placement | None = None) -> Ev
                 max_rank_distinct=s.mean_rank_distinct, max_rank_slots=float(np.mean(list(s.rank_slots.values()))),
                 slots=float(np.mean(list(s.slots.values()))),
                 max_rank_distinct_per_layer={str(k): v for k, v in s.rank_distinct.items()})),
+            **({} if s.cache is None else _cache_fields(s.cache)),
         ))
     return EvalReport(results, config, {label: s for label, s, _ in scored})

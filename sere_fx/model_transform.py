@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sere_fx.config import RoutingConfig, calibration_need, plan_for_layers, routing_spec
+from sere_fx.config import RoutingConfig, cache_policy, calibration_need, plan_for_layers, routing_spec
 from sere_fx.discovery import check_identity, find_moe_layers
 from sere_fx.errors import argument_error
+from sere_fx.expert_cache import RESIDENT_BUFFER, offloaded_layers
 from sere_fx.passes.rewrite import SiteAttrs, insert_policy
 from sere_fx.placement import Placement
 from sere_fx.passes.trace import graph_forward
@@ -152,6 +153,10 @@ def transform(
     elif (need := calibration_need(spec)) is not None:
         raise argument_error("sim", f"sim: policy {need[0]!r} {need[1]}, got None")
     layer_plans = plan_for_layers(spec, layers, matrices)
+    caches = offloaded_layers(model)  # offloaded layers route with their cache's resident set in view
+    if not caches and (p := cache_policy(layer_plans)) is not None:
+        raise argument_error("policy", f"policy: {p!r} biases routing toward an offload cache's resident experts; "
+                                       "expected an offloaded model (call sere_fx.offload first), got one without")
     tensors = layer_tensors(sim, layers, layer_plans, matrices) if sim is not None else {}
     predictors = layer_predictors(sim, layers, layer_plans) if sim is not None else {}
     # Rewrite every router's graph first (the graphs are copies: the model is untouched), then install.
@@ -163,6 +168,7 @@ def transform(
             predictor=PREDICTOR_BUFFER if lp.needs_similarity and lp.needs_predictor else None,
             stats=STATS_ATTR if stats else None,
             generator=GENERATOR_ATTR if lp.policy == "random" else None,
+            free=RESIDENT_BUFFER if layer.index in caches else None,
         )
         insert_policy(layer.graph, layer.site, lp, max_tokens, attrs, where=layer.router_name)
         layer.graph.lint()
@@ -171,7 +177,7 @@ def transform(
         prepared.append((layer, attrs))
     try:
         for layer, attrs in prepared:
-            _install(layer, attrs, tensors, predictors, stats if isinstance(stats, Placement) else None)
+            _install(layer, attrs, tensors, predictors, stats if isinstance(stats, Placement) else None, caches)
         if experts_implementation is not None:
             model.set_experts_implementation(experts_implementation)
     except BaseException:
@@ -187,8 +193,10 @@ def transform(
     return model
 
 
-def _install(layer, attrs: SiteAttrs, tensors, predictors, placement: Placement | None) -> None:
+def _install(layer, attrs: SiteAttrs, tensors, predictors, placement: Placement | None, caches) -> None:
     router = layer.router
+    if attrs.free:  # the cache's own tensor, updated in place as experts come and go
+        router.register_buffer(RESIDENT_BUFFER, caches[layer.index].resident, persistent=False)
     device = next((t.device for t in router.parameters()), torch.device("cpu"))
     if attrs.similarity:  # the layer's calibrated tensor: a similarity matrix or an output-size predictor
         router.register_buffer(SIM_BUFFER, tensors[layer.index].to(device))
@@ -242,6 +250,7 @@ def _uninstall(router: nn.Module) -> None:
         router.__class__ = original
     router._buffers.pop(SIM_BUFFER, None)
     router._buffers.pop(PREDICTOR_BUFFER, None)
+    router._buffers.pop(RESIDENT_BUFFER, None)
     router.__dict__.pop(STATS_ATTR, None)
     router.__dict__.pop(GENERATOR_ATTR, None)
 

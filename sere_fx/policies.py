@@ -65,6 +65,7 @@ from sere_fx.ops import apply_table, primary_mask, remap_table
 
 TOPK_POLICIES = tuple(p for p in POLICIES if p not in INDEX_POLICIES)  # replace the router's top-k
 REFILL_POLICIES = ("oea", "weight", "output")  # tokens refill from the loaded set; weights come from the model
+CACHE_POLICIES = ("prior",)  # read an offload cache's resident set (``sere_fx.expert_cache``)
 
 _BYPASS = False
 
@@ -193,6 +194,7 @@ def remap_ids(
     stats=None,
     generator: torch.Generator | None = None,
     count_ranges: bool = True,
+    free: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """An index policy at a routing site.
 
@@ -202,6 +204,7 @@ def remap_ids(
     slot keeps its own routing weight. ``stats``: a ``LayerStats`` or None (no cost).
     ``ranges``: settings that follow the load, ``((min_rows, {"policy", "S", "rho"} or None), ...)``
     in place of ``policy`` / ``S`` / ``rho`` (None: the model's routing in that range; ``_by_rows``).
+    ``free``: bool ``[E]``, experts read anyway (an offload cache's resident set): primaries too.
     """
     k = topk_ids.shape[-1]
     tokens = topk_ids.numel() // k
@@ -210,7 +213,8 @@ def remap_ids(
         values = None if topk_values is None else topk_values.reshape(-1, k)
         parts = [remap_ids(flat[i:i + _GROUP], None if values is None else values[i:i + _GROUP], similarity,
                            policy=policy, S=S, rho=rho, ranges=ranges, max_tokens=max_tokens, stats=stats,
-                           generator=generator, count_ranges=count_ranges) for i in range(0, tokens, _GROUP)]
+                           generator=generator, count_ranges=count_ranges, free=free)
+                 for i in range(0, tokens, _GROUP)]
         return torch.cat(parts).reshape(topk_ids.shape)
 
     def branch(setting):
@@ -226,9 +230,10 @@ def remap_ids(
             else:
                 ranked = ids
             if policy == "sere":
-                out = torch.ops.sere.reroute(ranked, similarity, S, rho)
+                out = (torch.ops.sere.reroute(ranked, similarity, S, rho) if free is None
+                       else reroute_free(ranked, similarity, S, rho, free))
             else:
-                out = ablation_reroute(ranked, similarity, S, rho, policy, generator)
+                out = ablation_reroute(ranked, similarity, S, rho, policy, generator, free=free)
             if stats is not None:
                 stats.record(ranked, out, S)
             if values:
@@ -261,33 +266,22 @@ def _refill(scores: torch.Tensor, k: int, loaded: torch.Tensor, neutral: float,
     return values.masked_fill(~filled, neutral), ids
 
 
-def agreed_primary_rows(topk_ids: torch.Tensor, S: int, num_experts: int, reduce, rank_values=None,
-                        valid_rows=None, free=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """SERE's primary set agreed across data-parallel ranks, as rows ``sere.reroute`` can take.
-
-    Each rank's primary set (its valid rows' top-S, plus ``free``: bool ``[E]``, experts it reads
-    anyway) is summed over the ranks by ``reduce``; the union comes back as ``ceil(E / K)`` rows
-    that hold exactly its experts (a non-primary slot repeats a primary one), to append as *free*
-    rows: the op then sees all ranks' primaries, with no change to the op and no host sync.
-    Returns (rows ``[R, K]``, whether to mark them free: False when no rank has a primary).
-    """
-    k = topk_ids.shape[1]
-    primary = primary_mask(topk_ids, S, num_experts, rank_values, valid_rows)
-    if free is not None:
-        primary = primary | free
-    primary = reduce(primary.to(torch.float32)) > 0
-    experts = torch.arange(num_experts + (-num_experts) % k, device=topk_ids.device) % num_experts
-    first = primary.to(torch.int32).argmax()  # some primary expert (any will do)
-    rows = torch.where(primary[experts], experts, first).reshape(-1, k).to(topk_ids.dtype)
-    return rows, primary.any()
+def mask_rows(mask: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """``ceil(E / k)`` rows of ``k`` slots that hold exactly the experts of ``mask`` (bool ``[E]``; a slot
+    past them repeats one of them): appended to a call as *free* rows, they make ``sere.reroute`` treat
+    those experts as primaries, with no change to the op and no host sync."""
+    e = mask.shape[0]
+    experts = torch.arange(e + (-e) % k, device=mask.device) % e
+    first = mask.to(torch.int32).argmax()  # some expert of the mask (any will do)
+    return torch.where(mask[experts], experts, first).reshape(-1, k).to(dtype)
 
 
-def reroute_agreed(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float, reduce,
-                   rank_values=None, valid_rows=None, free=None) -> torch.Tensor:
-    """``sere.reroute`` toward the primary set of all data-parallel ranks (``agreed_primary_rows``);
-    ``free``: bool ``[E]``, experts this rank reads anyway."""
-    t, e = topk_ids.shape[0], similarity.shape[0]
-    rows, any_primary = agreed_primary_rows(topk_ids, S, e, reduce, rank_values, valid_rows, free)
+def reroute_free(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float, free: torch.Tensor,
+                 rank_values=None, valid_rows=None) -> torch.Tensor:
+    """``sere.reroute`` with the experts of ``free`` (bool ``[E]``: read anyway, e.g. resident in an
+    offload cache, or every data-parallel rank's primaries) among the primaries."""
+    t = topk_ids.shape[0]
+    rows = mask_rows(free, topk_ids.shape[1], topk_ids.dtype)
     n = rows.shape[0]
     valid = torch.ones(t, dtype=torch.bool, device=topk_ids.device) if valid_rows is None else valid_rows
     if rank_values is None:  # slots in rank order: any decreasing values say the same
@@ -295,8 +289,26 @@ def reroute_agreed(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho
     out = torch.ops.sere.reroute(torch.cat([topk_ids, rows]), similarity, S, rho,
                                  torch.cat([rank_values, rank_values.new_zeros(n, rank_values.shape[1])]),
                                  torch.cat([valid, valid.new_zeros(n)]),
-                                 torch.cat([valid.new_zeros(t), any_primary.expand(n)]))
+                                 torch.cat([valid.new_zeros(t), free.any().expand(n)]))
     return out[:t]
+
+
+def agreed_primary(topk_ids: torch.Tensor, S: int, num_experts: int, reduce, rank_values=None,
+                   valid_rows=None, free=None) -> torch.Tensor:
+    """SERE's primary set agreed across data-parallel ranks (bool ``[E]``): each rank's (its valid rows'
+    top-S, plus ``free``: experts it reads anyway), summed over the ranks by ``reduce``."""
+    primary = primary_mask(topk_ids, S, num_experts, rank_values, valid_rows)
+    if free is not None:
+        primary = primary | free
+    return reduce(primary.to(torch.float32)) > 0
+
+
+def reroute_agreed(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float, reduce,
+                   rank_values=None, valid_rows=None, free=None) -> torch.Tensor:
+    """``sere.reroute`` toward the primary set of all data-parallel ranks (``agreed_primary``);
+    ``free``: bool ``[E]``, experts this rank reads anyway."""
+    primary = agreed_primary(topk_ids, S, similarity.shape[0], reduce, rank_values, valid_rows, free)
+    return reroute_free(topk_ids, similarity, S, rho, primary, rank_values, valid_rows)
 
 
 def oea_select(scores: torch.Tensor, k: int, k0: int, neutral: float, valid_rows: torch.Tensor | None = None,
@@ -439,6 +451,26 @@ def keep_top_s(scores: torch.Tensor, k: int, S: int, neutral: float, valid_rows:
     return values.masked_fill(dropped, neutral), ids, own
 
 
+def prior_select(scores: torch.Tensor, k: int, S: int, strength: float, resident: torch.Tensor, neutral: float):
+    """The ``prior`` rule (Cache-Prior) on flat scores ``[T, E]``: each token keeps its top-S, and picks
+    its other ``k - S`` experts by its scores with the resident experts' lifted by ``strength`` times
+    the token's score range (max - min over finite scores), so a resident expert wins a slot over a
+    missing one unless the missing one is ahead by more than that. Selected slots keep the model's
+    own scores (so its weight computation is unchanged), in descending order. Returns (values, ids,
+    own) as ``oea_select`` does."""
+    own = torch.topk(scores, k, dim=-1).indices
+    finite = torch.isfinite(scores)  # a group-limited router's masked experts are -inf: not in the range
+    span = (scores.masked_fill(~finite, float("-inf")).amax(-1)
+            - scores.masked_fill(~finite, float("inf")).amin(-1)).clamp_min(0)
+    biased = scores.float() + strength * span.float().unsqueeze(1) * resident.to(torch.float32).unsqueeze(0)
+    keep = torch.zeros_like(scores, dtype=torch.bool).scatter(1, own[:, :S], True)
+    biased = biased.masked_fill(keep, float("inf"))  # a token's top-S are its own whatever the cache holds
+    ids = torch.topk(biased, k, dim=-1).indices
+    values = scores.gather(1, ids)
+    values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, order), own
+
+
 def select_topk(
     scores: torch.Tensor,
     k: int,
@@ -458,6 +490,7 @@ def select_topk(
     stats=None,
     predictor: torch.Tensor | None = None,
     count_ranges: bool = True,
+    free: torch.Tensor | None = None,
 ):
     """A top-k policy in place of the site's ``torch.topk(scores, k, dim, largest, sorted)``.
 
@@ -465,13 +498,15 @@ def select_topk(
     policies' importance threshold, expert budget and per-rank budget; ``predictor``: ``output``'s
     output-size predictor (``[E + 1, E]``). ``ranges``: settings that follow the load,
     ``((min_rows, {"policy", "S", "rho", "N", "rank_budget", "owners"} or None), ...)`` in place of
-    the single setting (None: the model's own top-k in that range; ``_by_rows``)."""
+    the single setting (None: the model's own top-k in that range; ``_by_rows``). ``free``: bool ``[E]``,
+    experts read anyway (an offload cache's resident set): loaded for ``oea`` / ``weight`` / ``output``
+    outside their budget, and what ``prior`` biases toward."""
     e = scores.shape[-1]
     if _grouped(scores.numel() // e) and dim in (-1, scores.dim() - 1):
         flat = scores.reshape(-1, e)
         parts = [select_topk(flat[i:i + _GROUP], k, -1, largest, sorted, policy=policy, S=S, neutral=neutral, rho=rho,
                              N=N, rank_budget=rank_budget, owners=owners, ranges=ranges, max_tokens=max_tokens,
-                             stats=stats, predictor=predictor, count_ranges=count_ranges)
+                             stats=stats, predictor=predictor, count_ranges=count_ranges, free=free)
                  for i in range(0, flat.shape[0], _GROUP)]
         values, ids = torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
         shape = scores.shape[:-1] + (ids.shape[-1],)
@@ -481,6 +516,9 @@ def select_topk(
     for _, setting in settings:
         if setting is not None and setting["policy"] not in TOPK_POLICIES:
             raise argument_error("policy", f"policy: expected one of {list(TOPK_POLICIES)}, got {setting['policy']!r}")
+        if setting is not None and setting["policy"] in CACHE_POLICIES and free is None:
+            raise argument_error("free", f"free: policy {setting['policy']!r} biases toward an offload cache's "
+                                         "resident experts; got none (sere_fx.offload the model first)")
     if (predictor is not None) != bool(outputs):
         raise argument_error("predictor", f"predictor: policy 'output' needs one and only it takes one; got policies "
                                           f"{sorted({s['policy'] for _, s in settings if s})} with "
@@ -497,12 +535,14 @@ def select_topk(
                 values, ids = torch.topk(flat, S, dim=-1)
                 before = torch.topk(flat, k, dim=-1).indices if stats is not None else None
             elif policy == "oea":
-                values, ids, before = oea_select(flat, k, S, neutral)
+                values, ids, before = oea_select(flat, k, S, neutral, free=free)
+            elif policy == "prior":
+                values, ids, before = prior_select(flat, k, S, setting["rho"], free, neutral)
             else:
                 owners = setting.get("owners")
                 owner = None if owners is None else torch.tensor(owners, dtype=torch.int64, device=flat.device)
                 values, ids, before = weight_select(flat, k, S, neutral, rho=setting.get("rho"), N=setting.get("N"),
-                                                    rank_budget=setting.get("rank_budget"), owner=owner,
+                                                    rank_budget=setting.get("rank_budget"), owner=owner, free=free,
                                                     predictor=predictor_[0] if policy == "output" else None)
             if stats is not None:
                 stats.record(before, ids, S)

@@ -25,7 +25,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 # Library arguments that the CLI builds from differently named options.
-_OPTION_OF = {"placement": "--ep-ranks"}
+_OPTION_OF = {"placement": "--ep-ranks", "cache": "--offload"}
 
 
 def _report(command: str, exc: Exception, options: set[str]) -> int:
@@ -53,6 +53,62 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite float, got {text!r}")
     return value
+
+
+def _cache_size(text: str) -> int | float:
+    """``--offload``: experts cached per layer, an int (a count) or a float (a fraction of the layer's
+    experts); the range against each layer's experts is checked once the model is loaded."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count of experts (an int) or a fraction in (0, 1), got "
+                                         f"{text!r}") from None
+    if "." not in text and "e" not in text.lower():
+        value = int(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected a count of experts >= 1 or a fraction in (0, 1), got {text!r}")
+        return value
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1) of each layer's experts or an int count, "
+                                         f"got {text!r}")
+    return value
+
+
+def _offload_args(p) -> None:
+    """``--offload`` / ``--store`` / ``--tier``: the model's experts in a slower tier, C of them cached."""
+    p.add_argument("--offload", type=_cache_size, default=None, metavar="C",
+                   help="keep only C experts per MoE layer in the model's memory, the rest in a slower tier, and "
+                        "report cache misses and bytes fetched per token (C: a count, or a fraction such as 0.25 "
+                        "of each layer's experts); every policy then routes with the cache in view (docs/offload.md)")
+    p.add_argument("--store", default=None, metavar="DIR",
+                   help="with --offload on the disk tier: where the expert files go (default <out-dir>/expert-store; "
+                        "reused when they hold the model's weights)")
+    p.add_argument("--tier", choices=["disk", "memory"], default=None,
+                   help="with --offload: the slower tier (default disk for a CPU model: each fetch reads the disk, "
+                        "not the page cache; memory for a GPU model)")
+
+
+def _offload_model(args, model) -> None:
+    """Offload ``model`` as ``--offload`` / ``--store`` / ``--tier`` say (checked by ``_check_offload_args``)."""
+    from sere_fx.expert_cache import offload
+
+    offload(model, args.offload, args.store, tier=args.tier)
+
+
+def _check_offload_args(args, out_dir: str) -> None:
+    """``--store`` and ``--tier`` only with ``--offload``; the store's default and whether it can be written."""
+    if args.offload is None:
+        for option, value in (("--store", args.store), ("--tier", args.tier)):
+            if value is not None:
+                raise CliError(f"{option}: only used with --offload, got {value!r} without it")
+        return
+    if args.store is None:
+        args.store = os.path.join(out_dir, "expert-store")
+    elif args.tier == "memory":
+        raise CliError(f"--store: the memory tier keeps experts in host memory; expected no --store with --tier "
+                       f"memory, got {args.store!r}")
+    if (problem := _folder_problem("--store", args.store, "the expert files")) is not None:
+        raise CliError(problem)
 
 
 def _budget(text: str) -> int | float:
@@ -313,15 +369,21 @@ def _output_dir_missing(command: str, out: str) -> int | None:
     return None
 
 
-def _out_dir_unusable(command: str, option: str, path: str) -> int | None:
-    """Check an output folder before any work: it may exist (as a folder) or be creatable."""
+def _folder_problem(option: str, path: str, what: str = "the results") -> str | None:
+    """Why ``path`` cannot be an output folder (it may exist as a folder or be creatable), or None."""
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
-        return _error(command, f"{option}: expected a folder for the results, got {path!r} (a file)")
+        return f"{option}: expected a folder for {what}, got {path!r} (a file)"
     parent = path
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        return _error(command, f"{option}: expected a folder that can be created or written, got {path!r} "
-                               f"({parent!r} is not a writable folder)")
+        return (f"{option}: expected a folder that can be created or written, got {path!r} "
+                f"({parent!r} is not a writable folder)")
     return None
+
+
+def _out_dir_unusable(command: str, option: str, path: str) -> int | None:
+    """Check an output folder before any work (``_folder_problem``): the exit status, or None."""
+    problem = _folder_problem(option, path)
+    return None if problem is None else _error(command, problem)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import sys
 
-from sere_fx.cli.common import (CliError, _check_data, _data_args, _engine_args, _engine_kwargs, _ep_args, _error,
-                                 _load_model, _load_model_dir_checks, _load_sim, _max_tokens, _model_args,
-                                 _out_dir_unusable, _placement, _start_decode_engine, _windows)
+from sere_fx.cli.common import (CliError, _check_data, _check_offload_args, _data_args, _engine_args, _engine_kwargs,
+                                 _ep_args, _error, _load_model, _load_model_dir_checks, _load_sim, _max_tokens,
+                                 _model_args, _offload_args, _offload_model, _out_dir_unusable, _placement,
+                                 _start_decode_engine, _windows)
 
 
 def add_parser(sub) -> None:
@@ -21,7 +22,8 @@ def add_parser(sub) -> None:
     e.add_argument("--policies", nargs="+", default=None, metavar="SPEC",
                    help="baseline, sere:S=2,rho=0.5, sere:S=2,rho=q0.3, topk:S=2, oea:S=2, weight:S=1,N=0.6, weight:S=1,N=0.6,Nrank=0.5 (with --ep-ranks), "
                         "output:S=1,N=0.5 (needs --sim with output-size predictors), weight:S=1,rho=0.05, random:S=2,rho=0, least_similar:S=2,rho=0, plan:PATH "
-                        "(default: the standard comparison set)")
+                        "(default: the standard comparison set; with --offload, the standard offload set: lru, "
+                        "prior:S=1,rho=0.5 and sere-fx's policies with the cache in view)")
     e.add_argument("--max-tokens", type=_max_tokens, default=None,
                    help="passed to transform (default None: every decode step is re-routed)")
     _ep_args(e, "also report, per layer per decode step, the most loaded of R expert-parallel ranks (distinct "
@@ -32,6 +34,7 @@ def add_parser(sub) -> None:
                    help="free-running instead of teacher-forced: greedy batched decode of --steps tokens from each "
                         "window's first --prefill tokens; reports agreement with the baseline and edit similarity to "
                         "the baseline's and the reference continuation (generate.json)")
+    _offload_args(e)
     _model_args(e)
     _engine_args(e)
     e.add_argument("--out-dir", default="sere-eval",
@@ -40,10 +43,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from sere_fx.config import cache_policy
     from sere_fx.errors import ArgumentError
-    from sere_fx.evaluate import DEFAULT_POLICIES, evaluate, parse_policy
+    from sere_fx.evaluate import BASELINE_OFFLOAD, DEFAULT_POLICIES, OFFLOAD_POLICIES, evaluate, parse_policy
 
-    args.policies = args.policies or list(DEFAULT_POLICIES)
+    args.policies = args.policies or list(OFFLOAD_POLICIES if args.offload is not None else DEFAULT_POLICIES)
     placement = _placement(args)
     specs = []
     for spec in args.policies:  # before any model is loaded: syntax, values, plan files
@@ -53,13 +57,22 @@ def run(args) -> int:
                 specs[-1].routing(placement)
         except (ValueError, ArgumentError) as exc:
             return _error("eval", f"--policies: {exc}")
-    labels = list(dict.fromkeys(["baseline"] + [s.label for s in specs]))
+    baseline = "baseline" if args.offload is None else BASELINE_OFFLOAD
+    for s in specs:
+        if s.kwargs is None and s.label != baseline:
+            return _error("eval", f"--policies: the model's own routing is labelled {baseline!r} "
+                                  f"{'without' if args.offload is None else 'with'} --offload, got {s.label!r}")
+        if args.offload is None and s.kwargs is not None and (p := cache_policy(s.routing(placement))) is not None:
+            return _error("eval", f"--policies: {s.label!r} biases routing toward cached experts; expected --offload "
+                                  "with it, got none")
+    labels = list(dict.fromkeys([baseline] + [s.label for s in specs]))
     for pair in args.compare or []:
         for label in pair:
             if label not in labels:
                 return _error("eval", f"--compare: expected labels among --policies {labels}, got {label!r}")
     if (failed := _out_dir_unusable("eval", "--out-dir", args.out_dir)) is not None:
         return failed
+    _check_offload_args(args, args.out_dir)
     if args.num_seqs < args.batch_size:
         return _error("eval", f"--batch-size: expected at most --num-seqs ({args.num_seqs}), got {args.batch_size}: "
                               "every decode step must carry a full batch")
@@ -73,6 +86,10 @@ def run(args) -> int:
     if engine_kwargs is not None and args.max_tokens is not None:
         raise CliError(f"--max-tokens: the engine tells prompt rows from decode rows itself; expected none with "
                        f"--engine vllm, got {args.max_tokens}")
+    if args.offload is not None and (engine_kwargs is not None or placement is not None or args.generate):
+        what = "--engine vllm" if engine_kwargs is not None else "--ep-ranks" if placement is not None else "--generate"
+        raise CliError(f"--offload: runs teacher-forced on the transformers path with one device's cache; expected "
+                       f"no {what} with it, got {what}")
     if engine_kwargs is not None and placement is not None:
         raise CliError(f"--ep-ranks: the engine counts its own expert-parallel ranks; expected none with --engine "
                        f"vllm, got {args.ep_ranks}")
@@ -84,6 +101,8 @@ def run(args) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     else:
         model, tokenizer = _load_model(args)
+        if args.offload is not None:
+            _offload_model(args, model)
     windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     if windows.shape[0] < args.batch_size:
         return _error("eval", f"--batch-size: expected at most the {windows.shape[0]} sequences {args.data} gives, "

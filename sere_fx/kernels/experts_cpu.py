@@ -27,7 +27,7 @@ import torch
 NAME = "sere_sparse"
 
 
-def _standard_layout(experts) -> bool:
+def standard_layout(experts) -> bool:
     return (
         getattr(experts, "has_gate", True)
         and not getattr(experts, "has_bias", False)
@@ -39,14 +39,10 @@ def _standard_layout(experts) -> bool:
     )
 
 
-def sparse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor) -> torch.Tensor:
-    if hidden_states.device.type != "cpu" or not _standard_layout(self):
-        from transformers.integrations.moe import grouped_mm_experts_forward
-
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    num_tokens, hidden = hidden_states.shape
-    num_experts = self.gate_up_proj.shape[0]
+def grouped_rows(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int, num_tokens: int):
+    """The (token, expert) pairs of a call as rows sorted by expert, duplicates summed, weight-0 pairs
+    and slots marked "no expert" (index ``num_experts``) left out: (row_token ``[R]``, row_weight
+    ``[R]`` float32, rows per expert as a list of ``E`` ints)."""
     k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1)
     weights = top_k_weights.reshape(-1)
@@ -61,25 +57,46 @@ def sparse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     nonzero = row_weight != 0  # weight-0 slots (the top-k policies' fill) add nothing: not computed
     if not bool(nonzero.all()):
         keys, row_weight = keys[nonzero], row_weight[nonzero]
-    row_expert = keys // num_tokens
-    row_token = keys % num_tokens
-    counts = torch.bincount(row_expert, minlength=num_experts).tolist()
-    x = hidden_states[row_token]
-    out = torch.empty(keys.shape[0], hidden, dtype=hidden_states.dtype, device=hidden_states.device)
-    start = 0
+    counts = torch.bincount(keys // num_tokens, minlength=num_experts).tolist()
+    return keys % num_tokens, row_weight, counts
+
+
+def expert_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn, weight: torch.Tensor) -> torch.Tensor:
+    """One expert on its rows ``x [c, H]``, scaled by each row's routing ``weight``: ``[c, H]``."""
+    gate_up_out = torch.mm(gate_up, x.T)  # [2I, c]: the weight as the row-major left operand
+    gate, up = gate_up_out.chunk(2, dim=0)
+    y = torch.mm(down, act_fn(gate) * up)  # [H, c]
+    return (y * weight.to(y.dtype)).T
+
+
+def run_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
+                act_fn, weights_of) -> torch.Tensor:
+    """The experts of a call, one active expert at a time: ``weights_of(active)`` yields ``(expert,
+    gate_up [2I, H], down [H, I])`` for each expert of ``active`` (in any order; an offload cache
+    fetches as it goes)."""
+    num_tokens = hidden_states.shape[0]
+    row_token, row_weight, counts = grouped_rows(top_k_index, top_k_weights, num_experts, num_tokens)
+    starts, start = [0] * num_experts, 0
     for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        xs_t = x[start : start + c].T  # [H, c]
-        gate_up = torch.mm(self.gate_up_proj[e], xs_t)  # [2I, c]
-        gate, up = gate_up.chunk(2, dim=0)
-        h = self.act_fn(gate) * up  # [I, c]
-        y = torch.mm(self.down_proj[e], h)  # [H, c]
-        out[start : start + c] = (y * row_weight[start : start + c].to(y.dtype)).T
-        start += c
+        starts[e], start = start, start + c
+    x = hidden_states[row_token]
+    out = torch.empty_like(x)
+    for e, gate_up, down in weights_of([e for e, c in enumerate(counts) if c]):
+        s, c = starts[e], counts[e]
+        out[s:s + c] = expert_rows(x[s:s + c], gate_up, down, act_fn, row_weight[s:s + c])
     final = torch.zeros_like(hidden_states)
     final.index_add_(0, row_token, out)
     return final
+
+
+def sparse_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    if hidden_states.device.type != "cpu" or not standard_layout(self):
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return run_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj.shape[0], self.act_fn,
+                       lambda active: ((e, self.gate_up_proj[e], self.down_proj[e]) for e in active))
 
 
 def register() -> None:

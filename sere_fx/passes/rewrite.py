@@ -6,7 +6,8 @@ routing weights from the scores (DeepSeek-V3) keep the router's own indices, so 
 weights never change. Top-k policies (``topk``, ``oea``, ``weight``, ``output``): the top-k node itself is replaced
 by a call with the same inputs and outputs, so the model's own weight computation runs on
 the policy's selection. Per-layer data (similarity matrix or ``output``'s predictor, statistics, random generator)
-is read through ``get_attr`` on the module that owns the graph.
+is read through ``get_attr`` on the module that owns the graph, and so is an offloaded layer's resident
+set (``free``: experts that cost nothing to read, ``sere_fx.expert_cache``).
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ class SiteAttrs:
     stats: str | Node | None = None
     generator: str | Node | None = None
     predictor: str | Node | None = None  # ``output``'s predictor beside a similarity (a layer whose ranges read both)
+    free: str | Node | None = None  # bool [E]: experts read anyway (an offload cache's resident set)
 
 
 def _get_attrs(graph: Graph, after: Node, attrs: SiteAttrs) -> tuple[Node, dict]:
     nodes = {}
-    for key in ("similarity", "stats", "generator", "predictor"):
+    for key in ("similarity", "stats", "generator", "predictor", "free"):
         source = getattr(attrs, key)
         if source is None:
             continue
@@ -115,7 +117,8 @@ def _insert_index_policy(graph, site, policy, S, rho, max_tokens, attrs, ranges=
             (site.indices, values, nodes["similarity"]),
             {"policy": policy, "S": S, "rho": rho, "max_tokens": max_tokens,
              "stats": nodes.get("stats"), "generator": nodes.get("generator"),
-             **({} if ranges is None else {"ranges": ranges, "count_ranges": count_ranges})},
+             **({} if ranges is None else {"ranges": ranges, "count_ranges": count_ranges}),
+             **({"free": nodes["free"]} if "free" in nodes else {})},
         )
     if "val" in site.indices.meta:
         new_ids.meta["val"] = site.indices.meta["val"]
@@ -141,7 +144,8 @@ def _replace_topk(graph, site, plan, max_tokens, attrs, ranges=None) -> Node:
             select_topk,
             (site.scores, site.k, _arg(topk, 2, "dim", -1), _arg(topk, 3, "largest", True), _arg(topk, 4, "sorted", True)),
             {**setting, "neutral": neutral, "max_tokens": max_tokens, "stats": nodes.get("stats"),
-             **({"predictor": nodes.get("predictor", nodes.get("similarity"))} if wants_predictor else {})},
+             **({"predictor": nodes.get("predictor", nodes.get("similarity"))} if wants_predictor else {}),
+             **({"free": nodes["free"]} if "free" in nodes else {})},
         )
     topk.replace_all_uses_with(new)
     graph.erase_node(topk)

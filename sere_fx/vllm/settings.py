@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sere_fx.config import (
+    cache_policy,
     INDEX_POLICIES,
     LayerInfo,
     Quantile,
@@ -183,6 +184,10 @@ def parse(raw) -> EngineSettings:
         raw=dict(raw),
         routing=routing,
     )
+    if (p := cache_policy(routing)) is not None:
+        raise SettingsError(f"{_key('policy')}: {p!r} biases routing toward an offload cache's resident experts, and "
+                            "the plugin serves models whose experts stay in the engine's memory; expected another "
+                            "policy, got it")
     needing = sorted(settings.policies & set(INDEX_POLICIES))
     if settings.sim is None and needs_similarity(routing):
         raise SettingsError(f"{_key('sim')}: policy {needing[0]!r} needs a similarity file from `sere-fx calibrate`, "
