@@ -100,16 +100,19 @@ class ExpertCache:
         self.resident.zero_()
         self.counters = CacheCounters()
 
+    def _touch(self, slot: int) -> None:
+        self.clock += 1  # one tick per use: within a call too, the least recently used goes first
+        self.last_used[slot] = self.clock
+
     def serve(self, active: list[int], tokens: int):
         """Yield ``(expert, *weights)`` for each of ``active``: resident ones first (all touched before
         any fetch, so a fetch evicts none of this call's hits while others can go), then each missing
         one fetched into the least recently used slot. Consume in order: a slot may be reused once the
         expert yielded from it has been computed."""
-        self.clock += 1
         hits = [e for e in active if self.slot_of[e] >= 0]
         misses = [e for e in active if self.slot_of[e] < 0]
         for e in hits:
-            self.last_used[self.slot_of[e]] = self.clock
+            self._touch(self.slot_of[e])
         if self.counting:
             c = self.counters
             c.calls += 1
@@ -128,7 +131,7 @@ class ExpertCache:
                 self.resident[old] = False
             self.store.fetch(e, tuple(t[slot] for t in self.slots))
             self.slot_expert[slot], self.slot_of[e] = e, slot
-            self.last_used[slot] = self.clock
+            self._touch(slot)
             self.resident[e] = True
             yield (e, *(t[slot] for t in self.slots))
 
