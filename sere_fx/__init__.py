@@ -41,6 +41,7 @@ from sere_fx.config import (
     OEAConfig,
     OffConfig,
     OutputConfig,
+    PriorConfig,
     Quantile,
     RandomConfig,
     RoutingConfig,
@@ -58,6 +59,7 @@ from sere_fx.similarity import Similarity
 from sere_fx.stats import LayerStats
 from sere_fx.tuning import tune
 from sere_fx.model_transform import DEFAULT_MAX_TOKENS, SereSettings, is_transformed, restore, routing_stats, transform
+from sere_fx.expert_cache import CacheCounters, cache_stats, is_offloaded, offload, reset_caches
 
 from sere_fx.compile import backend, register as _register_backend
 
@@ -82,6 +84,12 @@ __all__ = [
     "RowRanges",
     "OffConfig",
     "OFF",
+    "PriorConfig",
+    "offload",
+    "cache_stats",
+    "reset_caches",
+    "is_offloaded",
+    "CacheCounters",
     "ArgumentError",
     "Placement",
     "tune",

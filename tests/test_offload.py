@@ -268,3 +268,25 @@ def test_docs_offload_eval_command_as_typed_but_smaller(tmp_path, capsys, monkey
         assert all(c["tokens"] == 8 * 4 for c in layers.values())  # decode tokens only, batch 1
     assert rows["sere:S=1,rho=0.5"]["fetches_per_token"] < rows["lru"]["fetches_per_token"]
     assert "fetches/token/layer" in out and os.path.isdir("offload/expert-store")
+
+
+def test_docs_offload_python_example_as_written(tmp_path, monkeypatch, capsys):
+    """docs/offload.md's first example with the demo's similarity file (calibrated here as the demo does)."""
+    from sere_fx.calibration import calibrate
+    from sere_fx.resources import testbed_model
+    from transformers import AutoModelForCausalLM
+
+    code = doc_pages.block("offload.md", "python", "sere_fx.offload(model, cache=0.25")
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("sere-demo")
+    plain = AutoModelForCausalLM.from_pretrained(testbed_model())
+    windows = torch.randint(1, plain.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    calibrate(plain, [windows], progress=False).save("sere-demo/sim.safetensors")
+    scope = {}
+    exec(compile(code, "docs/offload.md", "exec"), scope)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["0", "1", "2", "3"]
+    stats = sere_fx.cache_stats(scope["model"])
+    assert all(c.capacity == 16 for c in sere_fx.expert_cache.offloaded_layers(scope["model"]).values())
+    assert all(0 < c.misses and c.hits > 0 for c in stats.values())
+    assert sorted(os.listdir("expert-store")) == [f"layer{i}.experts" for i in range(4)]
