@@ -77,6 +77,19 @@ def default_candidates(top_k: int, quantiles=DEFAULT_QUANTILES, budgets=DEFAULT_
     return out
 
 
+# On an offloaded model (``sere_fx.offload``) the cost is experts fetched per token, and the candidates
+# are the cache-aware rules: SERE toward what is resident, the importance rule, the Cache-Prior rule.
+OFFLOAD_CANDIDATES = (("sere", 1, 0.3), ("sere", 1, 0.5), ("sere", 1, 0.7), ("sere", 2, 0.5),
+                      ("weight", 1, 0.005), ("weight", 1, 0.01), ("weight", 1, 0.02), ("weight", 1, 0.05),
+                      ("prior", 1, 0.1), ("prior", 1, 0.2), ("prior", 1, 0.5))
+
+
+def _fetches(s: DecodeScores, index: int) -> float:
+    """One layer's experts fetched per decode token (an offloaded model's cache misses)."""
+    c = s.cache[index]
+    return c["misses"] / c["tokens"] if c["tokens"] else 0.0
+
+
 def _loss(base: DecodeScores, s: DecodeScores, metric: str) -> float:
     if metric == "nll":
         return s.mean_nll - base.mean_nll
@@ -115,13 +128,15 @@ class TuneResult:
     rounds: int = 1
     max_experts: float | None = None  # the expert budget (fraction of the baseline's), or None
     placement: Placement | None = None  # counts are the busiest EP rank's, or None: all experts
+    offloaded: bool = False  # counts are experts fetched per token (an offloaded model's misses)
 
     def summary(self) -> str:
         if self.max_experts is None:
             head = f"{self.metric} loss {self.loss:+.4f} <= {self.max_loss}"
         else:
             head = f"experts <= {self.max_experts:g} x baseline; {self.metric} loss {self.loss:+.4f}"
-        what = "experts/layer" if self.placement is None else f"busiest-rank experts/layer ({self.placement.describe()})"
+        what = ("fetches/token/layer" if self.offloaded else "experts/layer" if self.placement is None
+                else f"busiest-rank experts/layer ({self.placement.describe()})")
         lines = [f"tuned plan ({head}; {what} {self.distinct:.1f} vs {self.baseline_distinct:.1f}, "
                  f"{100 * (self.distinct / self.baseline_distinct - 1):+.1f}%):"]
         for i, lp in sorted(self.plan.items()):
@@ -230,6 +245,9 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     still run on all of them (None: probes on all).
     ``pack``: decode this many batches of ``batch_size`` per forward, each routed as its own
     (``evaluate.decode_scores``): the same scores in fewer forwards where ``batch_size`` is small.
+    On an offloaded ``model`` (``sere_fx.offload``) the cost is experts *fetched* per token per layer
+    (cache misses) instead of distinct experts, ``max_experts`` a fraction of exact LRU's fetches, and the
+    default candidates the cache-aware rules (``OFFLOAD_CANDIDATES``): the fewest fetches within the budget.
     ``scorer``: how a plan is scored (``ModelScorer`` on ``model`` by default; the vLLM engine's is
     ``sere_fx.vllm.evaluate.EngineScorer``, with ``model`` None): ``scorer(plan or None, windows)``
     gives ``DecodeScores``, ``scorer.layers`` the MoE layers.
@@ -261,10 +279,16 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     matrices = resolve(sim, layers)
     base = scorer(None, windows)
 
-    def count(s: DecodeScores, index: int) -> float:  # one layer's experts: all, or the busiest rank's
+    offloaded = base.cache is not None  # the cost is what the cache fetches, not what the batch reads
+
+    def count(s: DecodeScores, index: int) -> float:  # one layer's experts: all, the busiest rank's, or fetched
+        if offloaded:
+            return _fetches(s, index)
         return s.distinct[index] if placement is None else s.rank_distinct[index]
 
     def mean_count(s: DecodeScores) -> float:
+        if offloaded:
+            return sum(_fetches(s, layer.index) for layer in layers) / len(layers)
         return s.mean_distinct if placement is None else s.mean_rank_distinct
 
     untouched = {layer.index: SereConfig(S=layer.top_k, rho=0.0) for layer in layers}  # S = K: identity
@@ -279,8 +303,9 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     jobs = []
     for layer in layers:
         options[layer.index] = [Probe(layer.index, untouched[layer.index], 0.0, count(probe_base, layer.index))]
-        for candidate in candidates or default_candidates(layer.top_k, placement=placement,
-                                                          predictors=bool(sim.predictors)):
+        defaults = (OFFLOAD_CANDIDATES if offloaded else
+                    default_candidates(layer.top_k, placement=placement, predictors=bool(sim.predictors)))
+        for candidate in candidates or defaults:
             if isinstance(candidate, RoutingConfig):
                 jobs.append((layer.index, candidate.for_layer(layer, matrices[layer.index])))
                 continue
@@ -360,7 +385,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
             best = best_uniform
     plan, loss, s = best
     return TuneResult(plan, loss, mean_count(s), base_distinct, metric, max_loss,
-                      [p for ps in options.values() for p in ps], rounds, max_experts, placement)
+                      [p for ps in options.values() for p in ps], rounds, max_experts, placement, offloaded)
 
 
 # --- plans that follow the load --------------------------------------------------------------

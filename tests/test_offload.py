@@ -290,3 +290,29 @@ def test_docs_offload_python_example_as_written(tmp_path, monkeypatch, capsys):
     assert all(c.capacity == 16 for c in sere_fx.expert_cache.offloaded_layers(scope["model"]).values())
     assert all(0 < c.misses and c.hits > 0 for c in stats.values())
     assert sorted(os.listdir("expert-store")) == [f"layer{i}.experts" for i in range(4)]
+
+
+def test_tune_on_an_offloaded_model_picks_the_fewest_fetches_within_the_budget(tmp_path):
+    from sere_fx.tuning import tune
+
+    model = tiny_model("qwen3_moe")
+    offload(model, 4, str(tmp_path), progress=False)
+    sim = sere_fx.Similarity(random_similarity(find_moe_layers(model), seed=0))
+    windows = torch.randint(3, 96, (4, 12), generator=torch.Generator().manual_seed(6))
+    candidates = [("sere", 1, 0.0), ("prior", 1, 0.5), ("weight", 1, 0.05)]
+    loose = tune(model, sim, windows, max_loss=10.0, candidates=candidates, batch_size=2, progress=False)
+    assert loose.offloaded and "fetches/token/layer" in loose.summary()
+    # a loose budget takes the uniform candidate with the fewest fetches, or something fewer still
+    uniform = {}
+    for policy, S, rho in candidates:
+        sere_fx.transform(model, sim, policy=policy, S=S, rho=rho, max_tokens=None)
+        try:
+            from sere_fx.evaluate import decode_scores
+
+            s = decode_scores(model, windows, batch_size=2, prefill=4, progress=False)
+        finally:
+            sere_fx.restore(model)
+        uniform[policy] = sum(c["misses"] / c["tokens"] for c in s.cache.values()) / len(s.cache)
+    assert loose.distinct <= min(uniform.values()) + 1e-9 < loose.baseline_distinct
+    strict = tune(model, sim, windows, max_loss=0.0, candidates=candidates, batch_size=2, progress=False)
+    assert strict.loss <= 0.0 and strict.distinct >= loose.distinct

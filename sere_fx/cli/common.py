@@ -81,8 +81,8 @@ def _offload_args(p) -> None:
                         "report cache misses and bytes fetched per token (C: a count, or a fraction such as 0.25 "
                         "of each layer's experts); every policy then routes with the cache in view (docs/offload.md)")
     p.add_argument("--store", default=None, metavar="DIR",
-                   help="with --offload on the disk tier: where the expert files go (default <out-dir>/expert-store; "
-                        "reused when they hold the model's weights)")
+                   help="with --offload on the disk tier: where the expert files go (default: expert-store/ in "
+                        "eval's --out-dir, beside tune's --out; reused when they hold the model's weights)")
     p.add_argument("--tier", choices=["disk", "memory"], default=None,
                    help="with --offload: the slower tier (default disk for a CPU model: each fetch reads the disk, "
                         "not the page cache; memory for a GPU model)")

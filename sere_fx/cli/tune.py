@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from sere_fx.cli.common import (CliError, _check_data, _data_args, _engine_args, _engine_kwargs, _ep_args, _error,
-                                 _load_model, _load_model_dir_checks, _load_sim, _max_tokens, _model_args,
-                                 _output_dir_missing, _placement, _positive_int, _start_decode_engine, _windows)
+from sere_fx.cli.common import (CliError, _check_data, _check_offload_args, _data_args, _engine_args, _engine_kwargs,
+                                 _ep_args, _error, _load_model, _load_model_dir_checks, _load_sim, _max_tokens,
+                                 _model_args, _offload_args, _offload_model, _output_dir_missing, _placement,
+                                 _positive_int, _start_decode_engine, _windows)
 
 
 def add_parser(sub) -> None:
@@ -23,7 +24,8 @@ def add_parser(sub) -> None:
                              "(--metric accuracy)")
     budget.add_argument("--max-experts", type=float, default=None, metavar="F",
                         help="expert budget, for the best quality within it: at most F times the baseline's distinct "
-                             "experts per layer per decode step (0 < F <= 1; e.g. 0.6 reads 40%% fewer)")
+                             "experts per layer per decode step (0 < F <= 1; e.g. 0.6 reads 40%% fewer); with "
+                             "--offload, F times exact LRU's experts fetched per token")
     t.add_argument("--metric", choices=["nll", "accuracy"], default="nll")
     _ep_args(t, "tune for expert parallelism: count the busiest of R ranks' experts (--max-experts is then a "
                 "fraction of the baseline's busiest-rank count) and add per-rank weight budgets to the candidates")
@@ -45,6 +47,7 @@ def add_parser(sub) -> None:
                         "are still checked on all (default: all)")
     t.add_argument("--steps", type=int, default=96)
     t.add_argument("--max-tokens", type=_max_tokens, default=None, help="passed to transform (default None)")
+    _offload_args(t)
     _model_args(t)
     _engine_args(t)
     t.add_argument("--out", required=True, help="plan .json to write")
@@ -74,6 +77,12 @@ def run(args) -> int:
                            f"of its batch size), got {args.probe_sequences}")
     args.batch_size = 32 if args.batch_size is None else args.batch_size
     placement = _placement(args)
+    _check_offload_args(args, os.path.dirname(os.path.abspath(args.out)))
+    if args.offload is not None and (args.batch_sizes is not None or args.engine == "vllm" or placement is not None):
+        what = ("--batch-sizes" if args.batch_sizes is not None else "--engine vllm" if args.engine == "vllm"
+                else "--ep-ranks")
+        raise CliError(f"--offload: tunes one batch size on the transformers path with one device's cache; expected "
+                       f"no {what} with it, got {what}")
     if args.probe_sequences is not None and not args.batch_size <= args.probe_sequences <= args.num_seqs:
         raise CliError(f"--probe-sequences: expected an int in [--batch-size, --num-seqs] = [{args.batch_size}, "
                        f"{args.num_seqs}], got {args.probe_sequences}")
@@ -100,6 +109,8 @@ def run(args) -> int:
                               prefill=args.prefill, windows=windows)
     else:
         model, tokenizer = _load_model(args)
+        if args.offload is not None:
+            _offload_model(args, model)
         windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     common = dict(max_loss=args.max_loss, max_experts=args.max_experts, metric=args.metric, prefill=args.prefill,
                   max_tokens=args.max_tokens, placement=placement, probe_sequences=args.probe_sequences)
@@ -112,6 +123,9 @@ def run(args) -> int:
                                             "distinct": result.distinct, "baseline_distinct": result.baseline_distinct,
                                             "data": str(args.data), "token_range": args.token_range,
                                             "sequences": int(windows.shape[0]), "engine": args.engine,
+                                            "offload": None if args.offload is None else {
+                                                "cache": args.offload, "batch_size": args.batch_size,
+                                                "cost": "fetches per token per layer"},
                                             "ep": None if placement is None else {"ranks": placement.ranks,
                                                                                   "strategy": placement.strategy}})
     print(f"wrote {args.out}; use it with sere_fx.transform(model, sim, plan={args.out!r}) or --policies plan:{args.out}")
