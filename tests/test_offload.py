@@ -250,13 +250,19 @@ def test_docs_offload_eval_command_as_typed_but_smaller(tmp_path, capsys, monkey
 
     block = doc_pages.block("offload.md", "bash", "sere-fx eval --model DIR")
     commands = [" ".join(part.strip() for part in line.split("\\\n")) for line in re.split(r"\n(?=sere-fx )", block)]
-    assert [c.split()[1] for c in commands] == ["calibrate", "eval"]
+    assert [c.split()[1] for c in commands] == ["calibrate", "eval", "tune"]
     monkeypatch.chdir(tmp_path)
+    smaller = {"calibrate": ["--num-seqs", "16", "--seq-len", "32"], "eval": ["--num-seqs", "8", "--steps", "4"],
+               "tune": ["--num-seqs", "2", "--steps", "3"]}
+    outs = {}
     for command in commands:
         argv = command.replace("DIR", testbed_model()).replace("text.txt", testbed_text()).split()[1:]
-        argv += ["--num-seqs", "8", "--steps", "4"] if argv[0] == "eval" else ["--num-seqs", "16", "--seq-len", "32"]
-        assert main(argv) == 0, (command, capsys.readouterr().err)
-    out = capsys.readouterr().out
+        assert main(argv + smaller[argv[0]]) == 0, (command, capsys.readouterr().err)
+        outs[argv[0]] = capsys.readouterr().out
+    out = outs["eval"]
+    plan = json.load(open("offload-plan.json"))
+    assert plan["tuned"]["offload"] == {"cache": 0.25, "batch_size": 1, "cost": "fetches per token per layer"}
+    assert plan["tuned"]["distinct"] <= plan["tuned"]["baseline_distinct"] and "fetches/token/layer" in outs["tune"]
     report = json.load(open("offload/eval.json"))
     rows = {r["label"]: r for r in report["results"]}
     assert list(rows)[0] == "lru" and any(label.startswith("prior:") for label in rows)
