@@ -322,3 +322,15 @@ def test_tune_on_an_offloaded_model_picks_the_fewest_fetches_within_the_budget(t
     assert loose.distinct <= min(uniform.values()) + 1e-9 < loose.baseline_distinct
     strict = tune(model, sim, windows, max_loss=0.0, candidates=candidates, batch_size=2, progress=False)
     assert strict.loss <= 0.0 and strict.distinct >= loose.distinct
+
+
+def test_memory_tier_computes_as_loaded_and_takes_no_store():
+    x = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(7))
+    sparse = tiny_model("qwen3_moe", experts_implementation="sere_sparse")
+    model = tiny_model("qwen3_moe")
+    offload(model, 0.25, tier="memory", progress=False)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, sparse(x).logits)
+    assert all(c.misses > 0 and c.bytes == c.misses * (2 * 16 * 32 + 32 * 16) * 4 for c in cache_stats(model).values())
+    with pytest.raises(ArgumentError, match=r"^tier: expected one of \['disk', 'memory'\], got 'ssd'"):
+        offload(tiny_model("qwen3_moe"), 4, tier="ssd")
