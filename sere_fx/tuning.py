@@ -434,6 +434,11 @@ class RangeResult:
     predicted_speedup: float
     tuned: TuneResult | None
 
+    @classmethod
+    def off(cls, min_rows: int, batch_size: int, why: str, baseline_distinct: float, tuned: TuneResult | None):
+        """A range left to the model's own routing: no loss, the baseline's experts, no speed-up."""
+        return cls(min_rows, batch_size, None, why, 0.0, baseline_distinct, baseline_distinct, 1.0, tuned)
+
 
 @dataclass
 class RangeTuneResult:
@@ -509,8 +514,7 @@ def tune_ranges(model: nn.Module, sim, windows: torch.Tensor, *, batch_sizes=DEF
         except ArgumentValueError as exc:
             if exc.arg != "max_experts":
                 raise
-            out.append(RangeResult(1 if i == 0 else b, b, None, "no plan within the expert budget", 0.0, math.nan,
-                                   math.nan, 1.0, None))
+            out.append(RangeResult.off(1 if i == 0 else b, b, "no plan within the expert budget", math.nan, None))
             continue
         speedup = cost.speedup(r.baseline_distinct, r.distinct, b * k)
         why = None
@@ -518,9 +522,8 @@ def tune_ranges(model: nn.Module, sim, windows: torch.Tensor, *, batch_sizes=DEF
             why = "nothing to re-route within the budget"
         elif speedup < min_speedup:
             why = f"predicted x{speedup:.2f} < x{min_speedup:g}"
-        out.append(RangeResult(1 if i == 0 else b, b, None if why else r.plan, why, r.loss if not why else 0.0,
-                               r.distinct if not why else r.baseline_distinct, r.baseline_distinct,
-                               speedup if not why else 1.0, r))
+        out.append(RangeResult.off(1 if i == 0 else b, b, why, r.baseline_distinct, r) if why else
+                   RangeResult(1 if i == 0 else b, b, r.plan, None, r.loss, r.distinct, r.baseline_distinct, speedup, r))
     tuned = next((r.tuned for r in out if r.tuned is not None), None)
     result = RangeTuneResult(out, kwargs.get("metric", "nll"), tuned.max_loss if tuned else kwargs.get("max_loss"),
                              kwargs.get("max_experts"), cost, time.perf_counter() - start)
