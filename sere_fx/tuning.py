@@ -223,6 +223,42 @@ class ModelScorer:
             restore(self.model)
 
 
+def _checked_budget(metric: str, max_loss, max_experts):
+    """``tune``'s metric and budgets checked; returns ``max_loss`` (0.02 when neither budget is given)."""
+    if metric not in METRICS:
+        raise ArgumentValueError("metric", f"metric: expected one of {list(METRICS)}, got {metric!r}")
+    if max_loss is not None and max_experts is not None:
+        raise ArgumentValueError("max_experts", f"max_experts: give a quality budget (max_loss) or an expert budget (max_experts), not both; "
+                         f"got max_loss={max_loss!r} and max_experts={max_experts!r}")
+    if max_experts is not None:
+        if not (isinstance(max_experts, (int, float)) and not isinstance(max_experts, bool)
+                and math.isfinite(max_experts) and 0 < max_experts <= 1):
+            raise ArgumentValueError("max_experts", f"max_experts: expected a fraction of the baseline's experts in (0, 1], got {max_experts!r}")
+    elif max_loss is None:
+        max_loss = 0.02
+    if max_loss is not None and not (isinstance(max_loss, (int, float)) and math.isfinite(max_loss) and max_loss >= 0):
+        raise ArgumentValueError("max_loss", f"max_loss: expected a finite number >= 0, got {max_loss!r}")
+    return max_loss
+
+
+def _candidate_jobs(layers, candidates, matrices, defaults) -> list[tuple[int, RoutingConfig]]:
+    """``(layer, config)`` for every candidate on every layer (``defaults(layer)`` where ``candidates`` is
+    None): tuples checked against the layer's top-k, quantile rhos resolved on its similarity matrix."""
+    jobs = []
+    for layer in layers:
+        for candidate in candidates or defaults(layer):
+            if isinstance(candidate, RoutingConfig):
+                jobs.append((layer.index, candidate.for_layer(layer, matrices[layer.index])))
+                continue
+            policy, S, rho, *N = candidate
+            if not 1 <= S <= layer.top_k:
+                raise ArgumentValueError("candidates", f"candidates: S={S} is outside [1, {layer.top_k}] for layer {layer.index}")
+            if isinstance(rho, Quantile):
+                rho = rho.resolve(matrices[layer.index])
+            jobs.append((layer.index, config(policy, S, rho, *N)))
+    return jobs
+
+
 def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None = None,
          max_experts: float | None = None, metric: str = "nll", candidates=None, batch_size: int = 32,
          prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True,
@@ -252,19 +288,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     ``sere_fx.vllm.evaluate.EngineScorer``, with ``model`` None): ``scorer(plan or None, windows)``
     gives ``DecodeScores``, ``scorer.layers`` the MoE layers.
     """
-    if metric not in METRICS:
-        raise ArgumentValueError("metric", f"metric: expected one of {list(METRICS)}, got {metric!r}")
-    if max_loss is not None and max_experts is not None:
-        raise ArgumentValueError("max_experts", f"max_experts: give a quality budget (max_loss) or an expert budget (max_experts), not both; "
-                         f"got max_loss={max_loss!r} and max_experts={max_experts!r}")
-    if max_experts is not None:
-        if not (isinstance(max_experts, (int, float)) and not isinstance(max_experts, bool)
-                and math.isfinite(max_experts) and 0 < max_experts <= 1):
-            raise ArgumentValueError("max_experts", f"max_experts: expected a fraction of the baseline's experts in (0, 1], got {max_experts!r}")
-    elif max_loss is None:
-        max_loss = 0.02
-    if max_loss is not None and not (isinstance(max_loss, (int, float)) and math.isfinite(max_loss) and max_loss >= 0):
-        raise ArgumentValueError("max_loss", f"max_loss: expected a finite number >= 0, got {max_loss!r}")
+    max_loss = _checked_budget(metric, max_loss, max_experts)
     n = int(windows.shape[0])
     if probe_sequences is not None and (isinstance(probe_sequences, bool) or not isinstance(probe_sequences, int)
                                         or not batch_size <= probe_sequences <= n):
@@ -299,22 +323,12 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     probe_windows = windows if probe_sequences in (None, n) else windows[:probe_sequences]
     probe_base = base if probe_windows is windows else scorer(None, probe_windows)
 
-    options: dict[int, list[Probe]] = {}
-    jobs = []
-    for layer in layers:
-        options[layer.index] = [Probe(layer.index, untouched[layer.index], 0.0, count(probe_base, layer.index))]
-        defaults = (OFFLOAD_CANDIDATES if offloaded else
-                    default_candidates(layer.top_k, placement=placement, predictors=bool(sim.predictors)))
-        for candidate in candidates or defaults:
-            if isinstance(candidate, RoutingConfig):
-                jobs.append((layer.index, candidate.for_layer(layer, matrices[layer.index])))
-                continue
-            policy, S, rho, *N = candidate
-            if not 1 <= S <= layer.top_k:
-                raise ArgumentValueError("candidates", f"candidates: S={S} is outside [1, {layer.top_k}] for layer {layer.index}")
-            if isinstance(rho, Quantile):
-                rho = rho.resolve(matrices[layer.index])
-            jobs.append((layer.index, config(policy, S, rho, *N)))
+    # step 1: probe every candidate on one layer at a time
+    options = {layer.index: [Probe(layer.index, untouched[layer.index], 0.0, count(probe_base, layer.index))]
+               for layer in layers}
+    jobs = _candidate_jobs(layers, candidates, matrices,
+                           lambda layer: (OFFLOAD_CANDIDATES if offloaded else default_candidates(
+                               layer.top_k, placement=placement, predictors=bool(sim.predictors))))
     uniform = _uniform_plans(jobs, layers)
     bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass", disable=not progress)
     for index, lp in jobs:
@@ -322,6 +336,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         options[index].append(Probe(index, lp, _loss(probe_base, s, metric), count(s, index)))
         bar.update(1)
     base_distinct = mean_count(base)
+    # uniform plans (step 4), then the knapsack's plans with the budget searched (steps 2 and 3)
     target = None if max_experts is None else max_experts * base_distinct  # mean distinct per layer
 
     def better(loss: float, s: DecodeScores, than) -> bool:
