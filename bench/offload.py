@@ -41,7 +41,7 @@ from sere_fx.evaluate import decode_scores, paired_bootstrap, parse_policy
 from sere_fx.expert_cache import cache_stats, offload, offloaded_layers, reset_caches
 from sere_fx.resources import testbed_model, testbed_text
 
-POLICIES = ("lru", "prior:S=1,rho=0.5", "sere:S=1,rho=0.5")
+POLICIES = ("lru", "prior:S=1,rho=0.1", "prior:S=1,rho=0.2", "output:S=1,rho=5")
 
 
 class _Experts(nn.Module):

@@ -107,14 +107,29 @@ def parse_policy(text: str) -> PolicySpec:
 BASELINE_OFFLOAD = "lru"  # the baseline's label on an offloaded model
 
 # ``eval --offload``'s standard set: exact routing with LRU (the baseline), the Cache-Prior rule, and
-# sere-fx's policies, which on an offloaded model see the cache's resident set (sere_fx.expert_cache).
+# sere-fx's policies, which on an offloaded model see the cache's resident set (sere_fx.expert_cache):
+# the importance rule by predicted output size (``output``; by routing share, ``weight``, where the
+# similarity file has no predictors) and SERE toward the resident set. Thresholds from the test-bed
+# at a cache of 25% (bench/RESULTS.md, "Experts that do not fit").
 OFFLOAD_POLICIES = (
     "lru",
-    "prior:S=1,rho=0.5",
+    "prior:S=1,rho=0.1",
+    "prior:S=1,rho=0.2",
+    "output:S=1,rho=2",
+    "output:S=1,rho=5",
+    "weight:S=1,rho=0.005",
     "sere:S=1,rho=0.5",
-    "sere:S=1,rho=0.3",
-    "weight:S=1,rho=0.02",
 )
+
+
+def offload_policies(sim) -> list[str]:
+    """The standard offload set for what ``sim`` holds: without output-size predictors no ``output``
+    row, without a similarity file neither ``output`` nor ``sere``."""
+    if sim is None:
+        return [p for p in OFFLOAD_POLICIES if not p.startswith(("output:", "sere:"))]
+    if not as_similarity(sim).predictors:
+        return [p for p in OFFLOAD_POLICIES if not p.startswith("output:")]
+    return list(OFFLOAD_POLICIES)
 
 DEFAULT_POLICIES = (
     "baseline",

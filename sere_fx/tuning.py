@@ -79,9 +79,16 @@ def default_candidates(top_k: int, quantiles=DEFAULT_QUANTILES, budgets=DEFAULT_
 
 # On an offloaded model (``sere_fx.offload``) the cost is experts fetched per token, and the candidates
 # are the cache-aware rules: SERE toward what is resident, the importance rule, the Cache-Prior rule.
-OFFLOAD_CANDIDATES = (("sere", 1, 0.3), ("sere", 1, 0.5), ("sere", 1, 0.7), ("sere", 2, 0.5),
-                      ("weight", 1, 0.005), ("weight", 1, 0.01), ("weight", 1, 0.02), ("weight", 1, 0.05),
-                      ("prior", 1, 0.1), ("prior", 1, 0.2), ("prior", 1, 0.5))
+# The importance rule by predicted output size (``output``) replaces the one by share (``weight``) where
+# the similarity file has output-size predictors: it fetches fewer at the same loss (bench/RESULTS.md).
+OFFLOAD_CANDIDATES = (("sere", 1, 0.5), ("sere", 2, 0.5), ("prior", 1, 0.1), ("prior", 1, 0.2), ("prior", 1, 0.5))
+OFFLOAD_WEIGHT = (("weight", 1, 0.002), ("weight", 1, 0.005), ("weight", 1, 0.01), ("weight", 1, 0.02))
+OFFLOAD_OUTPUT = (("output", 1, 1.0), ("output", 1, 2.0), ("output", 1, 5.0), ("output", 1, 10.0))
+
+
+def offload_candidates(predictors: bool) -> tuple:
+    """``tune``'s default candidates on an offloaded model (``OFFLOAD_CANDIDATES`` and an importance rule)."""
+    return OFFLOAD_CANDIDATES + (OFFLOAD_OUTPUT if predictors else OFFLOAD_WEIGHT)
 
 
 def _fetches(s: DecodeScores, index: int) -> float:
@@ -283,7 +290,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     (``evaluate.decode_scores``): the same scores in fewer forwards where ``batch_size`` is small.
     On an offloaded ``model`` (``sere_fx.offload``) the cost is experts *fetched* per token per layer
     (cache misses) instead of distinct experts, ``max_experts`` a fraction of exact LRU's fetches, and the
-    default candidates the cache-aware rules (``OFFLOAD_CANDIDATES``): the fewest fetches within the budget.
+    default candidates the cache-aware rules (``offload_candidates``): the fewest fetches within the budget.
     ``scorer``: how a plan is scored (``ModelScorer`` on ``model`` by default; the vLLM engine's is
     ``sere_fx.vllm.evaluate.EngineScorer``, with ``model`` None): ``scorer(plan or None, windows)``
     gives ``DecodeScores``, ``scorer.layers`` the MoE layers.
@@ -327,7 +334,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     options = {layer.index: [Probe(layer.index, untouched[layer.index], 0.0, count(probe_base, layer.index))]
                for layer in layers}
     jobs = _candidate_jobs(layers, candidates, matrices,
-                           lambda layer: (OFFLOAD_CANDIDATES if offloaded else default_candidates(
+                           lambda layer: (offload_candidates(bool(sim.predictors)) if offloaded else default_candidates(
                                layer.top_k, placement=placement, predictors=bool(sim.predictors))))
     uniform = _uniform_plans(jobs, layers)
     bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass", disable=not progress)

@@ -45,9 +45,11 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from sere_fx.config import cache_policy
     from sere_fx.errors import ArgumentError
-    from sere_fx.evaluate import BASELINE_OFFLOAD, DEFAULT_POLICIES, OFFLOAD_POLICIES, evaluate, parse_policy
+    from sere_fx.evaluate import BASELINE_OFFLOAD, DEFAULT_POLICIES, evaluate, offload_policies, parse_policy
 
-    args.policies = args.policies or list(OFFLOAD_POLICIES if args.offload is not None else DEFAULT_POLICIES)
+    if args.policies is None and args.offload is not None:
+        args.policies = offload_policies(_load_sim(args.sim))
+    args.policies = args.policies or list(DEFAULT_POLICIES)
     placement = _placement(args)
     specs = []
     for spec in args.policies:  # before any model is loaded: syntax, values, plan files
