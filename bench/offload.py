@@ -7,7 +7,7 @@ Two parts, one run:
    40000: of its public text; the similarity from ``--sim``, calibrated on 0:40000) at each batch
    size, every policy from an empty cache. Each decode step's per-layer expert ids and weights are
    recorded as the experts modules receive them.
-2. **Replay at the Qwen3-30B-A3B expert shape** (hidden 2048, expert intermediate 768, bf16: 9.4 MB
+2. **Replay at the Qwen3-30B-A3B expert shape** (on a GPU, ``--device cuda``: host memory is the slower tier) (hidden 2048, expert intermediate 768, bf16: 9.4 MB
    an expert), ``--layers`` layers of 64 experts each, their weights in files on this machine's disk
    (``sere_fx.offload``'s disk tier: every fetch is an ``O_DIRECT`` read, so the page cache is not
    what is measured), the same cache size: each recorded step runs through the same
@@ -138,11 +138,12 @@ def disk_bandwidth(cache, reads: int = 32) -> float:
 def replay(args, traced):
     dtype = getattr(torch, args.dtype)
     layers = _Layers([_Block(_Experts(64, args.hidden, args.inter, dtype, seed=i)) for i in range(args.layers)])
-    offload(layers, args.cache, os.path.join(args.store, "qwen3-30b-a3b-shape"), progress=True)
+    layers.to(args.device)  # the cache lives where the experts compute; the store is the slower tier
+    offload(layers, args.cache, os.path.join(args.store, "qwen3-30b-a3b-shape"), tier=args.tier, progress=True)
     caches = offloaded_layers(layers)
     probe = caches[0]
     bandwidth = disk_bandwidth(probe)
-    print(f"disk: {bandwidth / 1e9:.2f} GB/s O_DIRECT (direct={probe.store.direct}), "
+    print(f"slower tier: {bandwidth / 1e9:.2f} GB/s ({'disk, O_DIRECT=' + str(probe.store.direct) if hasattr(probe.store, 'path') else 'host memory'}), "
           f"expert {probe.store.expert_bytes / 1e6:.2f} MB", flush=True)
     results = []
     for b in args.batch_sizes:
@@ -153,14 +154,16 @@ def replay(args, traced):
             for text in texts:
                 steps = traced[(text, b)]["steps"][: args.replay_steps]
                 reset_caches(layers)
-                x = torch.randn(b, args.hidden).to(dtype)
+                x = torch.randn(b, args.hidden).to(device=args.device, dtype=dtype)
                 per_step = []
                 with torch.no_grad():
                     for step in steps:
                         start = time.perf_counter()
                         for i in range(args.layers):  # 30B-shaped layer i replays test-bed layer i mod 4
                             ids, w = step[i % len(step)]
-                            layers.layers[i].experts(x, ids, w.to(dtype))
+                            layers.layers[i].experts(x, ids.to(args.device), w.to(device=args.device, dtype=dtype))
+                        if args.device != "cpu":
+                            torch.cuda.synchronize()
                         per_step.append(time.perf_counter() - start)
                 warm = per_step[len(per_step) // 8:]  # the first steps fill an empty cache
                 times[text].append(statistics.median(warm))
@@ -185,7 +188,7 @@ def replay(args, traced):
                   f"{fetched[text]:.3f} (limit x{row['limit_vs_lru']:.2f}; disk limit {row['disk_limit_tokens_per_s']:.1f} "
                   f"tok/s)  retention {row['retention']:.4f} [{row['retention_ci'][0]:.4f}, {row['retention_ci'][1]:.4f}]",
                   flush=True)
-    return results, bandwidth, probe.store.direct
+    return results, bandwidth, getattr(probe.store, "direct", None)
 
 
 def main() -> None:
@@ -204,6 +207,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--replay-steps", type=int, default=96, help="decode steps replayed per round (default 96)")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the replayed layers compute and cache (default cuda where there is one)")
+    p.add_argument("--tier", choices=["disk", "memory"], default=None,
+                   help="the slower tier (default: disk on the CPU, host memory on a GPU)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     start = time.time()

@@ -162,7 +162,7 @@ def _log(message: str) -> None:
 
 
 def offload(model: nn.Module, cache, store: str | None = None, *, tier: str | None = None,
-            progress: bool = True) -> nn.Module:
+            device=None, progress: bool = True) -> nn.Module:
     """Move every MoE layer's expert weights to a slower tier and keep ``cache`` of them per layer in
     the model's memory; returns ``model`` (changed in place; load it again to undo).
 
@@ -170,8 +170,11 @@ def offload(model: nn.Module, cache, store: str | None = None, *, tier: str | No
         cache: experts kept per layer: an int in [1, E - 1], or a fraction in (0, 1) of each layer's E.
         store: the directory of the disk tier's files (one per layer; reused when they hold these
             weights, rebuilt when incomplete or stale).
-        tier: ``"disk"`` (default for a model on the CPU: each fetch reads the disk, not the page
+        tier: ``"disk"`` (default for a cache on the CPU: each fetch reads the disk, not the page
             cache) or ``"memory"`` (default on a GPU: experts in host memory, fetched over the bus).
+        device: where the cache lives and the experts compute (default: where the experts' weights
+            are). A model too large for its GPU loads with its experts on the CPU (transformers'
+            ``device_map``) and takes ``device="cuda"`` here: only the cache is then on the GPU.
 
     Call it before ``sere_fx.transform``, which then routes with each layer's resident set in view.
     """
@@ -188,7 +191,7 @@ def offload(model: nn.Module, cache, store: str | None = None, *, tier: str | No
         if not standard_layout(b.experts):
             raise argument_error("model", f"model: {b.name}.experts ({type(b.experts).__name__}) is not in the fused "
                                           "layout offload reads (gate_up_proj [E, 2I, H], down_proj [E, H, I], no bias)")
-    device = blocks[0].experts.gate_up_proj.device
+    device = blocks[0].experts.gate_up_proj.device if device is None else torch.device(device)
     if tier is None:
         tier = "memory" if device.type == "cuda" else "disk"
     if tier not in TIERS:

@@ -334,3 +334,16 @@ def test_memory_tier_computes_as_loaded_and_takes_no_store():
     assert all(c.misses > 0 and c.bytes == c.misses * (2 * 16 * 32 + 32 * 16) * 4 for c in cache_stats(model).values())
     with pytest.raises(ArgumentError, match=r"^tier: expected one of \['disk', 'memory'\], got 'ssd'"):
         offload(tiny_model("qwen3_moe"), 4, tier="ssd")
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(ArgumentError) as err:
+        open_disk_store(str(tmp_path), "layer0", _experts())
+    assert err.value.arg == "store" and "No space left on device" in str(err.value)
+    assert len(str(err.value).splitlines()) == 1 and os.listdir(tmp_path) == []
