@@ -126,12 +126,12 @@ def traces(args, spec_texts):
 
 def disk_bandwidth(cache, reads: int = 32) -> float:
     """Bytes per second of reads of whole expert blocks from ``cache``'s store, in a random order."""
-    out = tuple(torch.empty_like(t[0]) for t in cache.slots)
+    out = tuple(t[0] for t in cache.slots)  # into slot 0, as the cache fetches (run before the cache is used)
     rng = random.Random(0)
     order = [rng.randrange(cache.num_experts) for _ in range(reads)]
     start = time.perf_counter()
     for e in order:
-        cache.store.fetch(e, out)
+        cache.store.fetch(e, out, 0)
     return reads * cache.store.expert_bytes / (time.perf_counter() - start)
 
 

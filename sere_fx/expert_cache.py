@@ -85,7 +85,7 @@ class ExpertCache:
         self.store = store
         self.capacity = capacity
         self.num_experts = int(like[0].shape[0])
-        self.slots = tuple(torch.empty((capacity,) + tuple(t.shape[1:]), dtype=t.dtype, device=device) for t in like)
+        self.slots = store.make_slots(capacity, device)  # a disk store on the CPU reads straight into them
         self.resident = torch.zeros(self.num_experts, dtype=torch.bool, device=device)  # read by the router
         self.counters = CacheCounters()
         self.counting = True
@@ -129,7 +129,7 @@ class ExpertCache:
             if old >= 0:
                 self.slot_of[old] = -1
                 self.resident[old] = False
-            self.store.fetch(e, tuple(t[slot] for t in self.slots))
+            self.store.fetch(e, tuple(t[slot] for t in self.slots), slot)
             self.slot_expert[slot], self.slot_of[e] = e, slot
             self._touch(slot)
             self.resident[e] = True

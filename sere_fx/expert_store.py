@@ -61,7 +61,12 @@ class MemoryStore:
                              for t in tensors)
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors)
 
-    def fetch(self, expert: int, out: tuple[torch.Tensor, ...]) -> None:
+    def make_slots(self, capacity: int, device) -> tuple[torch.Tensor, ...]:
+        """The cache's ``capacity`` slots of each tensor, in fast memory on ``device``."""
+        return tuple(torch.empty((capacity,) + tuple(t.shape[1:]), dtype=t.dtype, device=device) for t in self.tensors)
+
+    def fetch(self, expert: int, out: tuple[torch.Tensor, ...], slot: int | None = None) -> None:
+        """Copy ``expert`` into ``out`` (its views in one slot)."""
         for src, dst in zip(self.tensors, out):
             dst.copy_(src[expert], non_blocking=True)
 
@@ -92,13 +97,34 @@ class DiskStore:
             self._fd = os.open(path, os.O_RDONLY)
             self.direct = False
 
-    def fetch(self, expert: int, out: tuple[torch.Tensor, ...]) -> None:
+    def make_slots(self, capacity: int, device) -> tuple[torch.Tensor, ...]:
+        """The cache's slots. On the CPU they are views into one page-aligned buffer laid out as the
+        file is (one block an expert), so a fetch reads straight into its slot, with no copy."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            self._slots = None
+            return tuple(torch.empty((capacity,) + s, dtype=self.dtype, device=device) for s in self.shapes)
+        self._slots = mmap.mmap(-1, capacity * self.block)
+        raw = torch.frombuffer(self._slots, dtype=torch.uint8).view(capacity, self.block)
+        views, start = [], 0
+        for size, shape in zip(self.sizes, self.shapes):
+            views.append(raw[:, start:start + size].view(self.dtype).view((capacity,) + shape))
+            start += size
+        return tuple(views)
+
+    def fetch(self, expert: int, out: tuple[torch.Tensor, ...], slot: int | None = None) -> None:
+        """Read ``expert``'s block from the disk into ``slot`` of ``make_slots``' buffer (on the CPU), else
+        into a bounce buffer copied to ``out`` (its views in one slot)."""
         offset = ALIGN + expert * self.block
-        got = os.preadv(self._fd, [self._buf], offset)
+        direct_slot = slot is not None and getattr(self, "_slots", None) is not None
+        target = memoryview(self._slots)[slot * self.block:(slot + 1) * self.block] if direct_slot else self._buf
+        got = os.preadv(self._fd, [target], offset)
         if got < self.expert_bytes:
             raise OSError(f"{self.path}: short read of expert {expert} ({got} of {self.expert_bytes} bytes)")
         if not self.direct:  # the next read of this expert must come from the disk again
             os.posix_fadvise(self._fd, offset, self.block, os.POSIX_FADV_DONTNEED)
+        if direct_slot:
+            return
         start = 0
         view = memoryview(self._buf)
         for size, shape, dst in zip(self.sizes, self.shapes, out):
