@@ -178,9 +178,7 @@ def offload(model: nn.Module, cache, store: str | None = None, *, tier: str | No
 
     Call it before ``sere_fx.transform``, which then routes with each layer's resident set in view.
     """
-    from sere_fx.model_transform import is_transformed
-
-    if is_transformed(model):
+    if getattr(model, "sere_settings", None) is not None:  # what transform records on a model (restore removes it)
         raise argument_error("model", "model: already transformed; call sere_fx.offload before sere_fx.transform "
                                       "(the routers read the cache's resident set)")
     blocks = find_moe_blocks(model)

@@ -135,7 +135,7 @@ def test_every_mistake_is_one_line_naming_the_argument(tmp_path, capsys):
         (["export", "--model", model, "--policy", "topk", "--format", "pt2", "--out", out],
          "sere-fx export: error: --max-tokens: policy 'topk' (layers [0, 1, 2, 3]) changes the number of routed slots"),
         (["export", "--model", model, "--policy", "weigh", "--format", "pt2", "--out", out],
-         "sere-fx export: error: --policy: expected one of sere, least_similar, random, topk, oea, weight, output, got 'weigh'"),
+         "sere-fx export: error: --policy: expected one of sere, least_similar, random, topk, oea, weight, output, prior, got 'weigh'"),
         (["export", "--model", model, "--policy", "weight", "--format", "pt2", "--out", out],
          "sere-fx export: error: --N: policy 'weight' needs N (experts per call), rho (an importance threshold) or both"),
         (["export", "--model", model, "--S", "1", "--format", "pt2", "--out", out],

@@ -297,7 +297,7 @@ def test_per_layer_settings_and_plans(tmp_path):
 @pytest.mark.parametrize(
     "kwargs,exc,message",
     [
-        (dict(policy="fast"), ValueError, r"policy: expected one of \['sere', 'least_similar', 'random', 'topk', 'oea', 'weight', 'output'\], got 'fast'"),
+        (dict(policy="fast"), ValueError, r"policy: expected one of \['sere', 'least_similar', 'random', 'topk', 'oea', 'weight', 'output', 'prior'\], got 'fast'"),
         (dict(policy={0: "sere", 1: "nope"}), ValueError, r"policy\[1\]: expected one of"),
         (dict(policy="oea", rho=0.5), ValueError, r"rho: policy 'oea' does not use rho \(leave it None\), got 0.5"),
         (dict(S={0: 1}), ValueError, r"S: expected values for the MoE decoder layers \[0, 1\], got layers \[0\]"),
