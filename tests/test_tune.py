@@ -251,7 +251,8 @@ def test_ranges_are_each_tuned_at_their_batch_size(setup, tmp_path):
 
 def test_docs_ranges_tune_command_as_typed_but_smaller(tmp_path, capsys, monkeypatch):
     """evaluation.md's `tune --batch-sizes` line on the test-bed, as typed except for its size (4
-    sequences of 2 scored steps, batch sizes 1 and 4): the plan holds one range per size."""
+    sequences of 2 scored steps, batch sizes 1 and 4, three candidates a layer instead of the default
+    twenty): the plan holds one range per size."""
     import json
     import shlex
 
@@ -273,6 +274,10 @@ def test_docs_ranges_tune_command_as_typed_but_smaller(tmp_path, capsys, monkeyp
     argv = [a.replace("sere_fx/data/testbed/", os.path.dirname(model_dir) + "/") for a in argv[2:]]
     sizes = argv.index("--batch-sizes")
     argv = argv[:sizes + 1] + ["1", "4"] + argv[sizes + 7:] + ["--num-seqs", "4", "--steps", "2"]
+    import sere_fx.tuning
+
+    monkeypatch.setattr(sere_fx.tuning, "default_candidates",
+                        lambda *a, **k: [("oea", 2, None), ("sere", 2, 0.0), ("output", 1, None, 0.5)])
     assert main(["tune", *argv]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     plan = json.load(open("plan_ranges.json"))
