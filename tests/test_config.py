@@ -251,18 +251,9 @@ def test_readme_config_example_as_written(tmp_path, monkeypatch, capsys):
 def test_readme_transformers_quick_start_as_written(tmp_path, monkeypatch, capsys):
     """The README's transformers example, with the demo's similarity file (the test's own, calibrated
     on the test-bed as the demo does)."""
-    import os
-
-    from sere_fx.calibration import calibrate
-    from sere_fx.resources import testbed_model
-    from transformers import AutoModelForCausalLM
-
     code = doc_pages.block("README.md", "python", "sere_fx.transform(model, \"sere-demo/sim.safetensors\"")
     monkeypatch.chdir(tmp_path)
-    os.makedirs("sere-demo")
-    plain = AutoModelForCausalLM.from_pretrained(testbed_model())
-    windows = torch.randint(1, plain.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
-    calibrate(plain, [windows], progress=False).save("sere-demo/sim.safetensors")
+    doc_pages.demo_similarity()
     scope = {}
     exec(compile(code, "README.md", "exec"), scope)
     stats = sere_fx.routing_stats(scope["model"])

@@ -282,16 +282,9 @@ def test_docs_offload_eval_command_as_typed_but_smaller(tmp_path, capsys, monkey
 
 def test_docs_offload_python_example_as_written(tmp_path, monkeypatch, capsys):
     """docs/offload.md's first example with the demo's similarity file (calibrated here as the demo does)."""
-    from sere_fx.calibration import calibrate
-    from sere_fx.resources import testbed_model
-    from transformers import AutoModelForCausalLM
-
     code = doc_pages.block("offload.md", "python", "sere_fx.offload(model, cache=0.25")
     monkeypatch.chdir(tmp_path)
-    os.makedirs("sere-demo")
-    plain = AutoModelForCausalLM.from_pretrained(testbed_model())
-    windows = torch.randint(1, plain.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
-    calibrate(plain, [windows], progress=False).save("sere-demo/sim.safetensors")
+    doc_pages.demo_similarity()
     scope = {}
     exec(compile(code, "docs/offload.md", "exec"), scope)
     lines = capsys.readouterr().out.strip().splitlines()

@@ -257,20 +257,15 @@ def test_docs_ranges_tune_command_as_typed_but_smaller(tmp_path, capsys, monkeyp
     import shlex
 
     import doc_pages
-    from sere_fx.calibration import calibrate
     from sere_fx.cli import main
     from sere_fx.resources import testbed_model
-    from transformers import AutoModelForCausalLM
 
     block = doc_pages.block("evaluation.md", "bash", "--batch-sizes 1 8 16 32 64 128")
     argv = shlex.split(block.replace("\\\n", " "))
     assert argv[:2] == ["sere-fx", "tune"]
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "sere-demo").mkdir()
+    doc_pages.demo_similarity()
     model_dir = testbed_model()
-    plain = AutoModelForCausalLM.from_pretrained(model_dir)
-    windows = torch.randint(1, plain.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
-    calibrate(plain, [windows], progress=False).save("sere-demo/sim.safetensors")
     argv = [a.replace("sere_fx/data/testbed/", os.path.dirname(model_dir) + "/") for a in argv[2:]]
     sizes = argv.index("--batch-sizes")
     argv = argv[:sizes + 1] + ["1", "4"] + argv[sizes + 7:] + ["--num-seqs", "4", "--steps", "2"]
