@@ -14,6 +14,7 @@ baseline.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -185,8 +186,6 @@ def _expert_ids(args) -> torch.Tensor:
 def cache_kwarg(model: nn.Module) -> str:
     """The name under which ``model.forward`` takes its KV cache: transformers renamed
     ``past_key_values`` to ``cache`` (5.2x; the old name warns until it is removed)."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -197,6 +196,7 @@ class CachedDecode:
     def __init__(self, model: nn.Module):
         self.model = model
         self._cache_arg = cache_kwarg(model)
+        self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._out = None
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -204,6 +204,12 @@ class CachedDecode:
         with bypass():
             self._out = self.model(input_ids=tokens, use_cache=True)
         return self._out.logits[:, -1]
+
+    def whole(self, tokens: torch.Tensor, keep: int) -> torch.Tensor:
+        """One forward of ``tokens [B, L]`` with no cache; the logits of the last ``keep`` positions ``[B, keep, V]``
+        (``logits_to_keep`` where the model takes it: the head runs on those positions only)."""
+        kw = {"logits_to_keep": keep} if self._keeps else {}
+        return self.model(input_ids=tokens, use_cache=False, **kw).logits[:, -keep:]
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens [B, 1]``; returns the next-token logits ``[B, V]``."""
@@ -218,28 +224,36 @@ class ExpertCounter:
     (hooks on the experts modules, whatever the policy), while ``decoding`` is set; with a
     ``placement`` also the most loaded EP rank's experts and token-slots, and all ranks' slots."""
 
-    def __init__(self, model: nn.Module, placement: Placement | None = None, group: int | None = None):
-        """``group``: count each run of this many rows of a call as a call of its own (``batch_groups``)."""
+    def __init__(self, model: nn.Module, placement: Placement | None = None, groups: batch_groups | None = None):
+        """``groups``: count each batch that this ``batch_groups`` makes of a call as a call of its own (its
+        prompt rows not at all); None or ``batch_groups(None)``: each call is one."""
         layers = find_moe_blocks(model)
         self.placement = placement
-        self.group = group
+        self.groups = groups if groups is not None and groups.rows is not None else None
         self.decoding = False
         self.counts = {layer.index: [0, 0] for layer in layers}  # distinct-expert sum, decode calls
         self.ranked = {layer.index: [0, 0, 0] for layer in layers}  # max-rank distinct, max-rank slots, all slots
         self._owners = {} if placement is None else {layer.index: placement.owner(layer.num_experts) for layer in layers}
         self._handles = [layer.experts.register_forward_pre_hook(self._hook(layer.index)) for layer in layers]
 
+    def _stacks(self, every: torch.Tensor) -> list[torch.Tensor]:
+        """The decode batches of one experts call's ids ``[T, K]`` as stacks ``[G, r, K]`` of equal-size
+        batches (``batch_groups.split``: the rule that routed them)."""
+        if self.groups is None:
+            return [every[None]]
+        stacks, _ = self.groups.split(every.shape[0], every.device)
+        return [every[stack] for stack in stacks]
+
     def _hook(self, index):
         def hook(module, args):
             if not self.decoding:
                 return
-            every = _expert_ids(args)
-            rows = max(every.shape[0] if self.group is None else self.group, 1)
-            for start in range(0, every.shape[0], rows):
-                ids = every[start:start + rows]
-                self.counts[index][0] += int(torch.unique(ids).numel())
-                self.counts[index][1] += 1
-                if self.placement is not None:
+            for stack in self._stacks(_expert_ids(args)):
+                flat = stack.reshape(stack.shape[0], -1).to(torch.int64)
+                seen = torch.zeros(flat.shape[0], int(flat.max()) + 1, dtype=torch.bool, device=flat.device)
+                self.counts[index][0] += int(seen.scatter_(1, flat, True).sum())
+                self.counts[index][1] += flat.shape[0]
+                for ids in (stack if self.placement is not None else ()):
                     distinct, slots = rank_load(ids.cpu(), self._owners[index], self.placement.ranks)
                     self.ranked[index][0] += int(distinct.max())
                     self.ranked[index][1] += int(slots.max())
@@ -271,45 +285,73 @@ def check_decode_args(windows: torch.Tensor, batch_size: int, prefill: int, afte
 @torch.no_grad()
 def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 32, prefill: int = 4,
                   progress: bool = True, desc: str = "decode", placement: Placement | None = None,
-                  pack: int = 1) -> DecodeScores:
+                  pack: int = 1, parallel: bool = False, stop=None) -> DecodeScores | None:
     """Teacher-forced batched decode over ``windows [N, L]``; scores the L - prefill - 1 decode steps.
     ``placement``: also count, per decode step, the most loaded EP rank's experts and token-slots.
     ``pack``: decode ``pack`` batches of ``batch_size`` in one forward, each routed as its own batch
     (``sere_fx.policies.batch_groups``) and counted as its own (the same scores up to float rounding
-    of the larger matmuls, in a fraction of the forwards when ``batch_size`` is small)."""
+    of the larger matmuls, in a fraction of the forwards when ``batch_size`` is small).
+    ``parallel``: score every step of ``batch_size * pack`` sequences in one forward of their whole
+    windows (no KV cache), each step's rows of each batch routed and counted as that decode step
+    (``batch_groups(..., length=L, steps=...)``); the prefill rows and the last position route as the
+    model does. The same routing decisions and scores as step by step up to float rounding (attention
+    over the whole window instead of a cache), in one forward instead of L - prefill; what ``tune`` uses.
+    ``stop``: called after each forward's sequences with ``(correct, nll, done)`` (the per-sequence sums
+    of the first ``done`` sequences); when it returns True the pass ends there and returns None (``tune``
+    stops a candidate whose loss is already out of budget)."""
     n, length = windows.shape
     check_decode_args(windows, batch_size, prefill)
     if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
         raise ArgumentValueError("pack", f"pack: expected a positive int, got {pack!r}")
-    group, batch_size = (batch_size if pack > 1 else None), batch_size * pack
     caches = offloaded_layers(model)
-    if caches and pack > 1:
-        raise ArgumentValueError("pack", f"pack: an offloaded model's caches serve one batch at a time; expected 1, "
-                                         f"got {pack}")
+    if caches and (pack > 1 or parallel):
+        what = ("pack", f"expected 1, got {pack}") if pack > 1 else ("parallel", "expected False, got True")
+        raise ArgumentValueError(what[0], f"{what[0]}: an offloaded model's caches serve one batch at a time, in step "
+                                          f"order; {what[1]}")
+    if parallel:
+        groups = batch_groups(batch_size, length=length, steps=(prefill, length - 1))
+    else:
+        groups = batch_groups(batch_size if pack > 1 else None)
+    batch_size = batch_size * pack
     for c in caches.values():  # every policy starts from an empty cache
         c.reset()
-    counter = ExpertCounter(model, placement, group)
+    counter = ExpertCounter(model, placement, groups)
     device = next(model.parameters()).device
     decoder = CachedDecode(model)
     correct = np.zeros(n, dtype=np.int64)
     nll = np.zeros(n, dtype=np.float64)
-    bar = tqdm(total=math.ceil(n / batch_size) * (length - prefill - 1), desc=desc, unit="step", leave=False,
-               disable=not progress)
+    steps = 1 if parallel else length - prefill - 1
+    bar = tqdm(total=math.ceil(n / batch_size) * steps, desc=desc, unit="forward" if parallel else "step",
+               leave=False, disable=not progress)
+
+    def score(start: int, logits: torch.Tensor, target: torch.Tensor) -> None:
+        """``logits [B, T, V]`` against ``target [B, T]`` for the batch starting at sequence ``start``."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        nll[start : start + target.shape[0]] -= logp.gather(2, target[..., None]).squeeze(2).double().sum(1).cpu().numpy()
+        correct[start : start + target.shape[0]] += (logp.argmax(-1) == target).sum(1).cpu().numpy()
+
     try:
         for start in range(0, n, batch_size):
             batch = windows[start : start + batch_size].to(device)
-            counter.decoding = False
-            with counting(model, False):  # prefill fills the caches, as in serving, and is not counted
-                decoder.prefill(batch[:, :prefill])
-            counter.decoding = True
-            for t in range(prefill, length - 1):
-                with batch_groups(group):  # one row per sequence: groups of ``group`` rows are the batches
-                    logits = decoder.step(batch[:, t : t + 1])
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                target = batch[:, t + 1]
-                nll[start : start + batch.shape[0]] -= logp.gather(1, target[:, None]).squeeze(1).double().cpu().numpy()
-                correct[start : start + batch.shape[0]] += (logp.argmax(-1) == target).cpu().numpy()
+            if parallel:
+                counter.decoding = True
+                with groups:
+                    logits = decoder.whole(batch, keep=length - prefill)
+                score(start, logits[:, :-1], batch[:, prefill + 1:])
                 bar.update(1)
+            else:
+                counter.decoding = False
+                with counting(model, False):  # prefill fills the caches, as in serving, and is not counted
+                    decoder.prefill(batch[:, :prefill])
+                counter.decoding = True
+                for t in range(prefill, length - 1):
+                    with groups:  # one row per sequence: groups of ``group`` rows are the batches
+                        logits = decoder.step(batch[:, t : t + 1])
+                    score(start, logits[:, None], batch[:, t + 1 : t + 2])
+                    bar.update(1)
+            done = start + batch.shape[0]
+            if stop is not None and done < n and stop(correct[:done], nll[:done], done):
+                return None
     finally:
         counter.remove()
         bar.close()

@@ -216,6 +216,24 @@ def _(topk_ids, similarity, S, rho, rank_values=None, valid_rows=None, free_rows
     return torch.empty_like(topk_ids)
 
 
+@torch.library.register_vmap("sere::reroute")
+def _(info, in_dims, topk_ids, similarity, S, rho, rank_values=None, valid_rows=None, free_rows=None):
+    # A batch of independent calls (``policies.batch_groups`` routes many small batches at once): each
+    # call runs the op's own implementation (one C-kernel call each on the CPU), so no second copy of
+    # the rule exists to drift from it.
+    tensors = (topk_ids, similarity, rank_values, valid_rows, free_rows)
+    dims = tuple(in_dims[:2]) + tuple(in_dims[4:]) + (None,) * (7 - len(in_dims))
+
+    def pick(i: int):
+        return [t if d is None or t is None else t.select(d, i) for t, d in zip(tensors, dims)]
+
+    outs = []
+    for i in range(info.batch_size):
+        ids, sim, *rest = pick(i)
+        outs.append(reroute_kernel(ids, sim, S, rho, *rest))
+    return torch.stack(outs), 0
+
+
 def decompositions() -> dict:
     """Decomposition table that lowers ``sere.reroute`` to core ATen ops.
 

@@ -83,33 +83,104 @@ class bypass:
         _BYPASS = self._prev
 
 
-_GROUP: int | None = None
+_GROUPS: "batch_groups | None" = None
 
 
 class batch_groups:
-    """Context manager: every transformed router routes each run of ``rows`` consecutive rows of a call
-    as a batch of its own (primary and loaded sets, budgets, the plan's range), as if the call were
-    ``T / rows`` separate calls. ``tune`` and ``evaluate`` decode many small batches in one forward
-    this way (one row per sequence in a decode step): batch 1 costs no more passes than batch 32."""
+    """Context manager: every transformed router routes a call's rows as several batches of their own
+    (primary and loaded sets, budgets, the plan's range), as if the call were that many separate calls.
+    ``tune`` and ``evaluate`` decode many small batches in one forward this way.
 
-    def __init__(self, rows: int | None):
+    ``batch_groups(rows)``: each run of ``rows`` consecutive rows is a batch (one row per sequence in a
+    decode step: batch 1 costs no more forwards than batch 32).
+    ``batch_groups(rows, length=L, steps=(first, stop))``: the call's rows are whole sequences of ``L``
+    positions, one after the other (a teacher-forced forward of ``[N, L]`` tokens); the rows at each
+    position in ``range(first, stop)`` of each run of ``rows`` sequences are a batch (the decode step
+    those sequences would take together), and rows at other positions are prompt rows, routed as the
+    model routes them. One forward then scores every decode step of every batch.
+
+    Batches of one size are routed together (``torch.vmap`` over them; the same rule, and the same
+    result as one call per batch) unless a site records stats or draws random numbers: then one by one."""
+
+    def __init__(self, rows: int | None, *, length: int | None = None, steps: tuple[int, int] | None = None):
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
             raise argument_error("rows", f"rows: expected a positive int or None, got {rows!r}")
-        self.rows = rows
+        if (length is None) != (steps is None):
+            raise argument_error("steps", f"steps: give length and steps together, got length={length!r} and "
+                                          f"steps={steps!r}")
+        if length is not None and not (isinstance(length, int) and len(steps) == 2 and 0 <= steps[0] < steps[1] <= length):
+            raise argument_error("steps", f"steps: expected (first, stop) with 0 <= first < stop <= length={length!r}, "
+                                          f"got {steps!r}")
+        self.rows, self.length, self.steps = rows, length, steps
 
     def __enter__(self):
-        global _GROUP
-        self._prev, _GROUP = _GROUP, self.rows
+        global _GROUPS
+        self._prev, _GROUPS = _GROUPS, (None if self.rows is None else self)
         return self
 
     def __exit__(self, *exc):
-        global _GROUP
-        _GROUP = self._prev
+        global _GROUPS
+        _GROUPS = self._prev
+
+    def split(self, tokens: int, device=None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """A call of ``tokens`` rows as its batches: stacks of equal-size batches (int64 ``[G, r]`` row
+        indices each), and the prompt rows (``[P]``; None when every row is in a batch)."""
+        if self.length is None:
+            full = tokens - tokens % self.rows
+            stacks = [torch.arange(full, device=device).view(-1, self.rows)] if full else []
+            if full < tokens:
+                stacks.append(torch.arange(full, tokens, device=device).view(1, -1))
+            return stacks, None
+        if tokens % self.length:
+            raise argument_error("length", f"length: a call under batch_groups(length={self.length}) must hold whole "
+                                           f"sequences; got {tokens} rows")
+        seqs, (first, stop) = tokens // self.length, self.steps
+        index = torch.arange(tokens, device=device).view(seqs, self.length)
+        full = seqs - seqs % self.rows
+        stacks = []
+        for block in (index[:full], index[full:]):  # whole runs of ``rows`` sequences, then the rest
+            if block.shape[0]:
+                r = min(self.rows, block.shape[0])
+                # [runs, r, steps] -> one batch per (run, step), its rows the run's sequences at that step
+                stacks.append(block[:, first:stop].reshape(-1, r, stop - first).transpose(1, 2).reshape(-1, r))
+        prompt = torch.cat([index[:, :first], index[:, stop:]], dim=1).flatten()
+        return stacks, (prompt if prompt.numel() else None)
 
 
 def _grouped(tokens) -> bool:
     """Whether this call is split into ``batch_groups`` (eager calls only: traced graphs never are)."""
-    return _GROUP is not None and isinstance(tokens, int) and tokens > _GROUP and not _BYPASS
+    if _GROUPS is None or _BYPASS or not isinstance(tokens, int):
+        return False
+    return _GROUPS.length is not None or tokens > _GROUPS.rows
+
+
+def _route_groups(inputs: tuple, route, exact, batched: bool) -> tuple:
+    """``route(*rows)`` on each batch that ``batch_groups`` makes of the rows of ``inputs`` (tensors ``[T, ...]``),
+    ``exact(*rows)`` (the model's own routing) on its prompt rows; each returns a tuple of ``[rows, w]``
+    tensors, and the results come back in row order. ``batched``: batches of one size run as one
+    ``torch.vmap`` call (the op has a batching rule), else one call per batch."""
+    groups = _GROUPS
+    stacks, prompt = groups.split(inputs[0].shape[0], inputs[0].device)
+    pieces, where = [], []
+    with batch_groups(None):  # inside, each batch is a call of its own
+        for stack in stacks:
+            if batched and stack.shape[0] > 1:
+                out = torch.vmap(route)(*(x[stack] for x in inputs))
+                pieces.append(tuple(o.flatten(0, 1) for o in out))
+            else:
+                parts = [route(*(x[rows] for x in inputs)) for rows in stack]
+                pieces.append(tuple(torch.cat(p) for p in zip(*parts)))
+            where.append(stack.flatten())
+        if prompt is not None:
+            with bypass():
+                pieces.append(exact(*(x[prompt] for x in inputs)))
+            where.append(prompt)
+    if len({p[0].shape[1:] for p in pieces}) > 1:
+        raise argument_error("policy", "policy: a policy that changes the slot count ('topk') cannot share a forward "
+                                       "with prompt rows; decode step by step (decode_scores(parallel=False))")
+    order = torch.cat(where)
+    return tuple(torch.empty((order.shape[0], *ps[0].shape[1:]), dtype=ps[0].dtype, device=ps[0].device)
+                 .index_copy_(0, order, torch.cat(ps)) for ps in zip(*pieces))
 
 
 def _by_rows(tokens, max_tokens: int | None, stats, branches, model_fn, operands: tuple, count: bool = True):
@@ -209,13 +280,17 @@ def remap_ids(
     k = topk_ids.shape[-1]
     tokens = topk_ids.numel() // k
     if _grouped(tokens):
-        flat = topk_ids.reshape(-1, k)
-        values = None if topk_values is None else topk_values.reshape(-1, k)
-        parts = [remap_ids(flat[i:i + _GROUP], None if values is None else values[i:i + _GROUP], similarity,
-                           policy=policy, S=S, rho=rho, ranges=ranges, max_tokens=max_tokens, stats=stats,
-                           generator=generator, count_ranges=count_ranges, free=free)
-                 for i in range(0, tokens, _GROUP)]
-        return torch.cat(parts).reshape(topk_ids.shape)
+        flat = (topk_ids.reshape(-1, k),) + (() if topk_values is None else (topk_values.reshape(-1, k),))
+
+        def route(ids, *values):
+            return (remap_ids(ids, values[0] if values else None, similarity, policy=policy, S=S, rho=rho, ranges=ranges,
+                              max_tokens=max_tokens, stats=stats, generator=generator, count_ranges=count_ranges,
+                              free=free),)
+
+        settings = _one_range(ranges, policy=policy, S=S, rho=rho)
+        batched = stats is None and all(s is None or s["policy"] != "random" for _, s in settings)
+        (out,) = _route_groups(flat, route, lambda ids, *values: (ids.clone(),), batched)
+        return out.reshape(topk_ids.shape)
 
     def branch(setting):
         if setting is None:
@@ -503,12 +578,15 @@ def select_topk(
     outside their budget, and what ``prior`` biases toward."""
     e = scores.shape[-1]
     if _grouped(scores.numel() // e) and dim in (-1, scores.dim() - 1):
-        flat = scores.reshape(-1, e)
-        parts = [select_topk(flat[i:i + _GROUP], k, -1, largest, sorted, policy=policy, S=S, neutral=neutral, rho=rho,
-                             N=N, rank_budget=rank_budget, owners=owners, ranges=ranges, max_tokens=max_tokens,
-                             stats=stats, predictor=predictor, count_ranges=count_ranges, free=free)
-                 for i in range(0, flat.shape[0], _GROUP)]
-        values, ids = torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
+        def route(rows):
+            return tuple(select_topk(rows, k, -1, largest, sorted, policy=policy, S=S, neutral=neutral, rho=rho, N=N,
+                                     rank_budget=rank_budget, owners=owners, ranges=ranges, max_tokens=max_tokens,
+                                     stats=stats, predictor=predictor, count_ranges=count_ranges, free=free))
+
+        def exact(rows):
+            return tuple(torch.topk(rows, k, dim=-1, largest=largest, sorted=sorted))
+
+        values, ids = _route_groups((scores.reshape(-1, e),), route, exact, stats is None)
         shape = scores.shape[:-1] + (ids.shape[-1],)
         return torch.return_types.topk((values.reshape(shape), ids.reshape(shape)))
     settings = _one_range(ranges, policy=policy, S=S, rho=rho, N=N, rank_budget=rank_budget, owners=owners)

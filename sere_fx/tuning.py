@@ -39,6 +39,7 @@ from sere_fx.config import OutputConfig, Quantile, RoutingConfig, SereConfig, We
 from sere_fx.discovery import find_moe_layers
 from sere_fx.errors import ArgumentValueError
 from sere_fx.evaluate import DecodeScores, decode_scores
+from sere_fx.expert_cache import is_offloaded
 from sere_fx.model_transform import restore, transform
 from sere_fx.placement import Placement, check_layers
 from sere_fx.similarity import as_similarity, resolve
@@ -115,6 +116,24 @@ def _paired_se(base: DecodeScores, a: DecodeScores, b: DecodeScores, metric: str
     return float(per_seq.std(ddof=1) * math.sqrt(n) / scale)
 
 
+# A candidate whose loss on the sequences scored so far is above the budget by more than this many
+# standard errors (of its paired per-sequence difference from the baseline) is stopped there: it
+# could only come back within the budget on the rest of the text by a 3-sigma swing.
+STOP_Z = 3.0
+
+
+def _out_of_budget(base: DecodeScores, metric: str, budget: float):
+    """``decode_scores``' ``stop`` for a candidate scored against ``base`` on the same windows: True once its
+    loss on the first ``done`` sequences exceeds ``budget`` by more than ``STOP_Z`` standard errors."""
+    def stop(correct, nll, done) -> bool:
+        head = DecodeScores(base.correct[:done], base.nll[:done], base.tokens[:done], {})
+        if metric == "accuracy" and not head.correct.sum():
+            return False
+        part = DecodeScores(correct, nll, head.tokens, {})
+        return _loss(head, part, metric) - STOP_Z * _paired_se(head, part, head, metric) > budget
+    return stop
+
+
 @dataclass
 class Probe:
     layer: int
@@ -136,6 +155,8 @@ class TuneResult:
     max_experts: float | None = None  # the expert budget (fraction of the baseline's), or None
     placement: Placement | None = None  # counts are the busiest EP rank's, or None: all experts
     offloaded: bool = False  # counts are experts fetched per token (an offloaded model's misses)
+    passes: int = 0  # candidate passes run (the baseline passes not counted)
+    stopped: int = 0  # of them, stopped early out of budget (``STOP_Z``)
 
     def summary(self) -> str:
         if self.max_experts is None:
@@ -144,8 +165,9 @@ class TuneResult:
             head = f"experts <= {self.max_experts:g} x baseline; {self.metric} loss {self.loss:+.4f}"
         what = ("fetches/token/layer" if self.offloaded else "experts/layer" if self.placement is None
                 else f"busiest-rank experts/layer ({self.placement.describe()})")
+        stopped = f"; {self.stopped} of {self.passes} passes stopped early, out of budget" if self.stopped else ""
         lines = [f"tuned plan ({head}; {what} {self.distinct:.1f} vs {self.baseline_distinct:.1f}, "
-                 f"{100 * (self.distinct / self.baseline_distinct - 1):+.1f}%):"]
+                 f"{100 * (self.distinct / self.baseline_distinct - 1):+.1f}%{stopped}):"]
         for i, lp in sorted(self.plan.items()):
             rho = "" if lp.rho is None else f", rho={lp.rho:.3f}"
             n = "" if lp.N is None else f", N={lp.N:g}"
@@ -211,21 +233,30 @@ def _uniform_plans(jobs, layers) -> list[dict[int, RoutingConfig]]:
 
 
 class ModelScorer:
-    """Scores plans on a transformers model: ``transform`` with the plan, teacher-forced decode."""
+    """Scores plans on a transformers model: ``transform`` with the plan, teacher-forced decode, every step
+    of ``batch_size * pack`` sequences in one forward (``decode_scores(parallel=True)``: the step-by-step
+    scores up to float rounding, several times faster); an offloaded model's caches decode step by step."""
 
     def __init__(self, model: nn.Module, sim, *, batch_size: int, prefill: int, max_tokens: int | None,
                  placement: Placement | None, pack: int = 1):
         self.model, self.sim, self.max_tokens = model, sim, max_tokens
         self.layers = find_moe_layers(model)
-        self.kw = dict(batch_size=batch_size, prefill=prefill, progress=False, placement=placement, pack=pack)
+        parallel = not is_offloaded(model)
+        self.kw = dict(batch_size=batch_size, prefill=prefill, progress=False, placement=placement, pack=pack,
+                       parallel=parallel)
 
-    def __call__(self, plan: dict[int, RoutingConfig] | None, windows: torch.Tensor) -> DecodeScores:
-        """``plan`` on every layer (None: the model's own routing), scored on ``windows``."""
+    stops_early = True  # takes ``stop`` (``decode_scores``): a pass can end after any forward
+
+    def __call__(self, plan: dict[int, RoutingConfig] | None, windows: torch.Tensor, stop=None) -> DecodeScores | None:
+        """``plan`` on every layer (None: the model's own routing), scored on ``windows``; None when ``stop``
+        ended the pass early."""
         if plan is None:
-            return decode_scores(self.model, windows, **self.kw)
+            return decode_scores(self.model, windows, stop=stop, **self.kw)
         transform(self.model, self.sim, plan=plan, max_tokens=self.max_tokens)
         try:
-            return decode_scores(self.model, windows, **self.kw)
+            # ``topk`` leaves fewer slots than prompt rows have: those plans decode step by step
+            parallel = self.kw["parallel"] and all(getattr(c, "policy", None) != "topk" for c in plan.values())
+            return decode_scores(self.model, windows, stop=stop, **{**self.kw, "parallel": parallel})
         finally:
             restore(self.model)
 
@@ -270,7 +301,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
          max_experts: float | None = None, metric: str = "nll", candidates=None, batch_size: int = 32,
          prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True,
          placement: Placement | None = None, probe_sequences: int | None = None, scorer=None,
-         pack: int = 1) -> TuneResult:
+         pack: int = 1, early_stop: bool = True) -> TuneResult:
     """Per-layer (policy, S, rho) for ``model`` on tuning ``windows``; see the module doc.
 
     Two budgets, give one: ``max_loss`` (default 0.02 when neither is given): the fewest experts
@@ -291,6 +322,11 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     On an offloaded ``model`` (``sere_fx.offload``) the cost is experts *fetched* per token per layer
     (cache misses) instead of distinct experts, ``max_experts`` a fraction of exact LRU's fetches, and the
     default candidates the cache-aware rules (``offload_candidates``): the fewest fetches within the budget.
+    ``early_stop`` (with ``max_loss``): a per-layer probe or a uniform plan whose loss on the windows scored
+    so far is out of the budget by more than ``STOP_Z`` standard errors is stopped after that forward and
+    dropped (a probe that alone loses more than the whole budget is no use to the knapsack); whole-plan
+    checks always run to the end. The choice is the exhaustive search's unless a candidate swings back by
+    more than that; it saves the passes' rest only where ``windows`` span several forwards.
     ``scorer``: how a plan is scored (``ModelScorer`` on ``model`` by default; the vLLM engine's is
     ``sere_fx.vllm.evaluate.EngineScorer``, with ``model`` None): ``scorer(plan or None, windows)``
     gives ``DecodeScores``, ``scorer.layers`` the MoE layers.
@@ -324,8 +360,17 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
 
     untouched = {layer.index: SereConfig(S=layer.top_k, rho=0.0) for layer in layers}  # S = K: identity
 
-    def run(plan: dict[int, RoutingConfig], on: torch.Tensor = windows) -> DecodeScores:
-        return scorer(plan, on)
+    stops = early_stop and max_experts is None and getattr(scorer, "stops_early", False)
+    count_passes = [0, 0]  # run, stopped early
+
+    def run(plan: dict[int, RoutingConfig], on: torch.Tensor = windows, against: DecodeScores | None = None):
+        """``plan`` scored on ``on``; with ``against`` (the baseline on ``on``), None once out of budget."""
+        count_passes[0] += 1
+        if against is None or not stops:
+            return scorer(plan, on)
+        s = scorer(plan, on, stop=_out_of_budget(against, metric, max_loss))
+        count_passes[1] += s is None
+        return s
 
     probe_windows = windows if probe_sequences in (None, n) else windows[:probe_sequences]
     probe_base = base if probe_windows is windows else scorer(None, probe_windows)
@@ -339,8 +384,9 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     uniform = _uniform_plans(jobs, layers)
     bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass", disable=not progress)
     for index, lp in jobs:
-        s = run({**untouched, index: lp}, probe_windows)
-        options[index].append(Probe(index, lp, _loss(probe_base, s, metric), count(s, index)))
+        s = run({**untouched, index: lp}, probe_windows, against=probe_base)
+        if s is not None:  # stopped: alone out of the whole budget
+            options[index].append(Probe(index, lp, _loss(probe_base, s, metric), count(s, index)))
         bar.update(1)
     base_distinct = mean_count(base)
     # uniform plans (step 4), then the knapsack's plans with the budget searched (steps 2 and 3)
@@ -364,11 +410,14 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         bar.total -= len(uniform) - len(fits)
         uniform = fits
     for plan in uniform:
-        s = tried[tuple(sorted(plan.items()))] = run(plan)
+        s = run(plan, against=base)
+        bar.update(1)
+        if s is None:
+            continue
+        tried[tuple(sorted(plan.items()))] = s
         loss = _loss(base, s, metric)
         if better(loss, s, best):
             best = (plan, loss, s)
-        bar.update(1)
     best_uniform = best
     budget = max_loss if target is None else target * len(layers)
     rounds = 0
@@ -407,14 +456,15 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
             best = best_uniform
     plan, loss, s = best
     return TuneResult(plan, loss, mean_count(s), base_distinct, metric, max_loss,
-                      [p for ps in options.values() for p in ps], rounds, max_experts, placement, offloaded)
+                      [p for ps in options.values() for p in ps], rounds, max_experts, placement, offloaded,
+                      count_passes[0], count_passes[1])
 
 
 # --- plans that follow the load --------------------------------------------------------------
 
 DEFAULT_BATCH_SIZES = (1, 8, 16, 32, 64, 128)
-# A range of small batches decodes this many rows per forward (``pack``): batch 1 as 32 batches of 1.
-PACK_ROWS = 32
+# A range of small batches scores this many sequences per forward (``pack``): batch 1 as 128 batches of 1.
+PACK_ROWS = 128
 
 
 @dataclass(frozen=True)

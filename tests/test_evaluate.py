@@ -228,3 +228,111 @@ def test_packed_batches_score_as_separate_batches():
             assert big.distinct[0] > alone.distinct[0], "the packed batches must not be routed as one"
         finally:
             sere_fx.restore(model)
+
+
+def test_batch_groups_split_rows_as_the_decode_steps_would():
+    """``batch_groups(rows, length=L, steps=...)``: each batch is one decode step of a run of ``rows``
+    sequences (the last run may be shorter), the other positions are prompt rows; against a plain loop."""
+    length, first, stop = 7, 2, 6
+    for seqs, rows in ((5, 2), (6, 3), (1, 4), (4, 1)):
+        stacks, prompt = sere_fx.batch_groups(rows, length=length, steps=(first, stop)).split(seqs * length)
+        got = sorted(tuple(int(i) for i in batch) for stack in stacks for batch in stack)
+        want = sorted(tuple(s * length + t for s in range(run, min(run + rows, seqs)))
+                      for run in range(0, seqs, rows) for t in range(first, stop))
+        assert got == want
+        assert sorted(prompt.tolist()) == [s * length + t for s in range(seqs) for t in range(length)
+                                           if not first <= t < stop]
+        assert len({stack.shape[1] for stack in stacks}) == len(stacks)  # one stack per batch size
+    stacks, prompt = sere_fx.batch_groups(3).split(8)
+    assert [b.tolist() for s in stacks for b in s] == [[0, 1, 2], [3, 4, 5], [6, 7]] and prompt is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rows=2, length=7), "steps: give length and steps together"),
+    (dict(rows=2, length=7, steps=(5, 9)), "steps: expected (first, stop) with 0 <= first < stop <= length=7"),
+    (dict(rows=0), "rows: expected a positive int or None, got 0"),
+])
+def test_batch_groups_bad_arguments(kwargs, message):
+    rows = kwargs.pop("rows")
+    with pytest.raises(sere_fx.ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        sere_fx.batch_groups(rows, **kwargs)
+
+
+def test_routing_batches_together_equals_one_call_per_batch():
+    """Batches of one size are routed in one vmapped call: every policy gives exactly what routing
+    each batch on its own gives (the one-by-one path, ``batched=False``), the op's batching rule
+    included (rank values, valid and free rows)."""
+    from sere_fx import policies
+    from sere_fx.ops import reroute_kernel
+
+    g = torch.Generator().manual_seed(0)
+    e, k = 16, 4
+    scores = torch.randn(30, e, generator=g)
+    sim = torch.rand(e, e, generator=g)
+    predictor = torch.randn(e + 1, e, generator=g) * 0.1
+    ids = torch.topk(scores, k).indices
+    values = torch.rand(30, k, generator=g)  # an unsorted top-k: slots ranked by these
+    settings = [dict(policy="oea", S=1), dict(policy="weight", S=1, N=0.5), dict(policy="weight", S=1, rho=0.05),
+                dict(policy="output", S=1, N=0.5), dict(policy="topk", S=2)]
+    with sere_fx.batch_groups(4, length=6, steps=(1, 5)):
+        for setting in settings:
+            extra = {"predictor": predictor} if setting["policy"] == "output" else {}
+
+            def route(rows, setting=setting, extra=extra):
+                return tuple(policies.select_topk(rows, k, neutral=float("-inf"), **setting, **extra))
+
+            def exact(rows):
+                return tuple(torch.topk(rows, k))
+
+            if setting["policy"] == "topk":  # fewer slots than the prompt rows' own top-k
+                with pytest.raises(sere_fx.ArgumentError, match="changes the slot count"):
+                    policies._route_groups((scores,), route, exact, True)
+                continue
+            together = policies._route_groups((scores,), route, exact, True)
+            alone = policies._route_groups((scores,), route, exact, False)
+            assert all(torch.equal(a, b) for a, b in zip(together, alone)), setting
+        for S, rho in ((1, 0.0), (2, 0.4)):
+            def reroute(rows, vals, S=S, rho=rho):
+                return (policies.remap_ids(rows, vals, sim, policy="sere", S=S, rho=rho),)
+
+            together = policies._route_groups((ids, values), reroute, lambda r, v: (r.clone(),), True)
+            alone = policies._route_groups((ids, values), reroute, lambda r, v: (r.clone(),), False)
+            assert torch.equal(together[0], alone[0]) and not torch.equal(together[0], ids)
+    # the op's batching rule with every optional argument, against one op call per batch
+    batched = ids.view(5, 6, k)
+    valid = torch.rand(5, 6, generator=g) > 0.3
+    free = torch.rand(5, 6, generator=g) > 0.7
+    out = torch.vmap(lambda i, v, a, f: torch.ops.sere.reroute(i, sim, 2, 0.3, v, a, f))(batched, values.view(5, 6, k),
+                                                                                      valid, free)
+    for b in range(5):
+        assert torch.equal(out[b], reroute_kernel(batched[b], sim, 2, 0.3, values.view(5, 6, k)[b], valid[b], free[b]))
+
+
+@pytest.mark.parametrize("placement", [None, sere_fx.Placement(4)])
+def test_parallel_decode_scores_equal_step_by_step(placement):
+    """``decode_scores(parallel=True)`` (every step in one forward of the whole windows) routes, counts
+    and scores each decode step as stepping through them with a KV cache does: for batch-aware
+    policies of every kind, a plan whose range goes off at larger batches, packed and partial batches."""
+    from tiny_models import calibration_file
+
+    model = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    calib = calibration_file(find_moe_layers(model))
+    windows = torch.randint(3, 90, (11, 9), generator=torch.Generator().manual_seed(0))
+    ranged = sere_fx.RowRanges(((1, sere_fx.OutputConfig(S=1, N=0.5)), (3, sere_fx.OFF)))
+    for config in (sere_fx.SereConfig(S=1, rho=0.0), sere_fx.OutputConfig(S=1, N=0.5), sere_fx.OEAConfig(S=1),
+                   sere_fx.WeightConfig(S=1, min_importance=0.05), ranged, None):
+        if config is not None:
+            sere_fx.transform(model, calib, config, max_tokens=None)
+        try:
+            for batch, pack in ((1, 4), (2, 1), (4, 2), (11, 1)):
+                kw = dict(batch_size=batch, prefill=2, progress=False, placement=placement, pack=pack)
+                step = decode_scores(model, windows, **kw)
+                whole = decode_scores(model, windows, parallel=True, **kw)
+                assert np.array_equal(step.correct, whole.correct), (config, batch)
+                assert np.allclose(step.nll, whole.nll, rtol=0, atol=1e-4)
+                assert step.distinct == whole.distinct, (config, batch, pack)
+                if placement is not None:
+                    assert (step.rank_distinct, step.rank_slots) == (whole.rank_distinct, whole.rank_slots)
+        finally:
+            if config is not None:
+                sere_fx.restore(model)

@@ -71,7 +71,8 @@ def test_tuned_plan_is_within_budget_when_measured_independently(setup, max_loss
     base = decode_scores(model, windows, batch_size=6, prefill=2, progress=False)
     s = _measured(model, sim, windows, plan=result.plan)
     loss = s.mean_nll - base.mean_nll
-    assert loss == pytest.approx(result.loss, abs=1e-9) and loss <= max_loss + 1e-12
+    # tune scores every step in one forward, this measures step by step: equal up to float rounding
+    assert loss == pytest.approx(result.loss, abs=1e-6) and loss <= max_loss + 1e-6
     assert s.mean_distinct == pytest.approx(result.distinct)
     if max_loss == 1.0:  # a generous budget buys the cheapest candidates everywhere
         assert result.distinct < result.baseline_distinct * 0.8
@@ -128,11 +129,11 @@ def test_expert_budget_plan_is_within_budget_when_measured_independently(setup):
         measured[name] = _measured(model, sim if name == "plan" else None, windows, **kwargs)
     s = measured["plan"]
     assert s.mean_distinct <= 0.8 * base.mean_distinct + 1e-9 and s.mean_distinct == pytest.approx(result.distinct)
-    assert s.mean_nll - base.mean_nll == pytest.approx(result.loss, abs=1e-9)
+    assert s.mean_nll - base.mean_nll == pytest.approx(result.loss, abs=1e-6)
     # never worse than a uniform setting that fits the same budget
     for u in (measured["oea1"], measured["oea2"]):
         if u.mean_distinct <= 0.8 * base.mean_distinct:
-            assert result.loss <= u.mean_nll - base.mean_nll + 1e-9
+            assert result.loss <= u.mean_nll - base.mean_nll + 1e-6
     with pytest.raises(ValueError, match=r"max_experts: no plan of these candidates reads at most 0.01 of the "
                                          r"baseline's"):
         tune(model, sim, windows, max_experts=0.01, batch_size=6, prefill=2, candidates=cands[:1], progress=False)
@@ -307,3 +308,49 @@ def test_cost_option_is_checked_by_the_parser(capsys):
         main(["tune", "--model", "m", "--sim", "s", "--data", "d", "--out", "p", "--cost", "1,2"])
     assert exit_.value.code == 2
     assert "--cost: expected EXPERT_US,SLOT_US,OP_US (three numbers), got '1,2'" in capsys.readouterr().err
+
+
+def test_early_stopping_keeps_the_exhaustive_choice():
+    """Candidates stopped once their loss is out of budget (``STOP_Z`` standard errors over it) leave the
+    chosen plan what the exhaustive search chooses, on a small grid of budgets, metrics and candidates
+    (the trained test-bed: losses a random model cannot show), while stopping plainly bad candidates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sere_fx.calibration import read_documents, token_windows
+    from sere_fx.resources import testbed_model, testbed_text
+
+    model = AutoModelForCausalLM.from_pretrained(testbed_model(), dtype=torch.float32).eval()
+    windows = token_windows(AutoTokenizer.from_pretrained(testbed_model()), read_documents(testbed_text()), 11, 128,
+                            token_range=(0, 40000))
+    sim = random_similarity(find_moe_layers(model), seed=4)
+    cands = [("oea", 1, None), ("sere", 1, 0.0), ("weight", 1, None, 0.5), ("weight", 1, None, 0.8)]
+    stopped = 0
+    for max_loss, metric in ((0.01, "accuracy"), (0.02, "nll")):
+        kw = dict(max_loss=max_loss, metric=metric, batch_size=32, prefill=2, candidates=cands, progress=False,
+                  verify_rounds=3)
+        fast = tune(model, sim, windows, **kw)
+        full = tune(model, sim, windows, early_stop=False, **kw)
+        assert fast.plan == full.plan and fast.loss == full.loss, (max_loss, metric)
+        assert full.stopped == 0 and fast.passes <= full.passes
+        stopped += fast.stopped
+    assert stopped > 0, "no candidate was out of budget early on this grid: the test checks nothing"
+
+
+def test_out_of_budget_rule():
+    """``_out_of_budget``: stop only when the loss so far is over the budget by more than STOP_Z standard errors."""
+    from sere_fx.evaluate import DecodeScores
+    from sere_fx.tuning import STOP_Z, _out_of_budget
+
+    base = DecodeScores(np.full(40, 10), np.full(40, 20.0), np.full(40, 16), {})
+    stop = _out_of_budget(base, "accuracy", 0.01)
+    assert stop(np.full(20, 10), np.full(20, 20.0), 20) is False  # no loss
+    assert stop(np.full(20, 5), np.full(20, 20.0), 20) is True  # half the accuracy, every sequence
+    noisy = np.where(np.arange(20) % 2 == 0, 9, 11)  # +-1 per sequence: loss 0, spread wide
+    assert stop(noisy, np.full(20, 20.0), 20) is False
+    # a loss of 2 budgets (4 of 20 sequences lose a token) whose standard error is about one budget:
+    # within STOP_Z of the budget, not stopped
+    wide = np.where(np.arange(20) < 4, 9, 10)
+    assert STOP_Z > 1.1 and stop(wide, np.full(20, 20.0), 20) is False
+    nll = _out_of_budget(base, "nll", 0.01)
+    assert nll(np.full(20, 10), np.full(20, 20.0 + 16 * 0.5), 20) is True  # +0.5 nats/token everywhere
+    assert nll(np.full(20, 10), np.full(20, 20.0 + 16 * 0.005), 20) is False
