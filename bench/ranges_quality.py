@@ -25,9 +25,9 @@ from sere_fx.calibration import read_documents, token_windows
 from sere_fx.evaluate import decode_scores, paired_bootstrap, parse_policy
 from sere_fx.resources import testbed_model, testbed_text
 
-# windows per batch size: enough for a ~+-1% interval from batch 16 up (a batch-1 interval is wider)
-WINDOWS = {1: 32, 8: 64, 16: 128, 32: 128, 64: 128, 128: 256}
-PACK_ROWS = 32
+# windows per batch size (69 tokens each, 64 scored): 256 everywhere, 16,384 scored tokens per batch size
+WINDOWS = {1: 256, 8: 256, 16: 256, 32: 256, 64: 256, 128: 256}
+PACK_ROWS = 128
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
         n = min(WINDOWS.get(b, 128), held.shape[0])
         n -= n % b
         windows = held[:n]
-        kw = dict(batch_size=b, prefill=4, progress=False, pack=max(1, PACK_ROWS // b))
+        kw = dict(batch_size=b, prefill=4, progress=False, pack=max(1, PACK_ROWS // b), parallel=True)
         start = time.perf_counter()
         base = decode_scores(model, windows, **kw)
         for spec in specs:

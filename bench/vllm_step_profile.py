@@ -59,6 +59,18 @@ def one_engine(spec: dict) -> dict:
     return out
 
 
+def off_plan(model: str, sim: str, cache: str) -> dict:
+    """The plugin's settings for the 'off' policy: a two-range plan file (SERE S=2 at 1 row, off from 2)."""
+    import sere_fx
+
+    layers = json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"]
+    ranges = sere_fx.RowRanges(((1, sere_fx.SereConfig(S=2, rho=0.0)), (2, sere_fx.OFF)))
+    path = os.path.join(cache, "off_from_2.plan.json")
+    os.makedirs(cache, exist_ok=True)
+    sere_fx.save_plan(path, {i: ranges for i in range(layers)})
+    return {"plan": path, "sim": sim}
+
+
 def summarize(name: str, events: dict, step_us: float, layers: int, steps: int) -> dict:
     def pick(pred):
         hits = {k: v for k, v in events.items() if pred(k)}
@@ -82,7 +94,9 @@ def main(argv=None) -> dict:
     p.add_argument("--batches", type=int, nargs="+", default=[32], help="batch sizes (concurrent requests)")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=["plain", "sere", "oea", "weight"])
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES) + ["off"], default=["plain", "sere", "oea", "weight"],
+                   help="'off': a plan that follows the load, SERE at 1 row and off from 2 rows, so every step "
+                        "of a batch >= 2 takes the ranged path's off branch (what an off step costs)")
     p.add_argument("--cache", default="/tmp/sere-bench", help="where a generated model goes")
     p.add_argument("--top", type=int, default=0, help="also print the N most expensive ops of each engine")
     args = parse_common(p, one_engine, argv)
@@ -90,7 +104,8 @@ def main(argv=None) -> dict:
         return {}
     model, sim = model_and_similarity(args.model, args.cache, args.layers, args.sim)
     layers = json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"]
-    settings = {name: policy_settings(name, sim) for name in args.policies}
+    settings = {name: off_plan(model, sim, args.cache) if name == "off" else policy_settings(name, sim)
+                for name in args.policies}
     raw = run_settings(os.path.abspath(__file__), settings,
                        {"model": model, "batches": args.batches, "warmup": args.warmup, "tokens": args.tokens},
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})

@@ -284,6 +284,29 @@ def test_docs_ranges_tune_command_as_typed_but_smaller(tmp_path, capsys, monkeyp
     assert "tuned plan that follows the load (accuracy loss <= 0.01 in every range" in out
 
 
+def test_batch_sizes_alone_tunes_the_default_ranges(tmp_path, capsys, monkeypatch):
+    """``--batch-sizes`` with no sizes tunes ``DEFAULT_BATCH_SIZES`` (what the help says)."""
+    import sere_fx.tuning
+    from sere_fx.cli import main
+    from sere_fx.resources import testbed_model, testbed_text
+
+    seen = {}
+
+    def fake(model, sim, windows, *, batch_sizes, **kw):
+        seen["sizes"] = list(batch_sizes)
+        raise sere_fx.ArgumentError("batch_sizes", "batch_sizes: stop here")
+
+    monkeypatch.setattr(sere_fx.tuning, "tune_ranges", fake)
+    monkeypatch.chdir(tmp_path)
+    import doc_pages
+
+    doc_pages.demo_similarity()
+    rc = main(["tune", "--model", testbed_model(), "--sim", "sere-demo/sim.safetensors", "--data", testbed_text(),
+               "--num-seqs", "128", "--steps", "2", "--batch-sizes", "--out", "plan.json"])
+    assert rc != 0 and seen["sizes"] == [1, 8, 16, 32, 64, 128] == list(sere_fx.tuning.DEFAULT_BATCH_SIZES)
+    assert "batch_sizes: stop here" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--cost", "1,2,3"], "--cost: only used with --batch-sizes (a plan that follows the load), got --cost without it"),
     (["--min-speedup", "1.1"], "--min-speedup: only used with --batch-sizes"),

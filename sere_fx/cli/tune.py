@@ -30,10 +30,10 @@ def add_parser(sub) -> None:
     _ep_args(t, "tune for expert parallelism: count the busiest of R ranks' experts (--max-experts is then a "
                 "fraction of the baseline's busiest-rank count) and add per-rank weight budgets to the candidates")
     t.add_argument("--batch-size", type=int, default=None, help="decode batch to tune at (default 32)")
-    t.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=None, metavar="B",
+    t.add_argument("--batch-sizes", type=_positive_int, nargs="*", default=None, metavar="B",
                    help="tune a plan that follows the load: one range per batch size (ascending; the range of B holds "
                         "steps of B rows up to the next size, the first from 1 row), each tuned at its size within "
-                        "the budget; e.g. --batch-sizes 1 8 16 32 64 128 (needs --num-seqs >= the largest)")
+                        "the budget; alone: 1 8 16 32 64 128 (needs --num-seqs >= the largest)")
     t.add_argument("--cost", type=_cost, default=None, metavar="EXPERT_US,SLOT_US,OP_US",
                    help="with --batch-sizes: the MoE kernel's cost per distinct expert, per token-slot and of the "
                         "re-routing op (bench/vllm_step_profile.py measures them; default: the Qwen3-30B-A3B shape "
@@ -60,6 +60,10 @@ def run(args) -> int:
 
     if (failed := _output_dir_missing("tune", args.out)) is not None:
         return failed
+    if args.batch_sizes == []:  # the option alone: the default ranges
+        from sere_fx.tuning import DEFAULT_BATCH_SIZES
+
+        args.batch_sizes = list(DEFAULT_BATCH_SIZES)
     if args.batch_sizes is None:
         for option, value, default in (("--cost", args.cost, None), ("--min-speedup", args.min_speedup, 1.0)):
             if value != default:
