@@ -156,29 +156,3 @@ def test_only_vllms_cpu_fused_moe_kernel_is_swapped():
     assert slots.install(runner) is None and type(experts).__bases__ == (CPUUnquantizedExperts,)  # idempotent
     slots.uninstall(runner)
     assert type(experts) is CPUUnquantizedExperts
-
-
-def test_an_off_step_calls_vllms_kernel_as_it_is():
-    """While ``skip_when``'s condition holds (a plan's off range), the merging subclass hands the call to
-    vLLM's own ``apply`` unchanged, without the merging op; otherwise it runs the merging op."""
-    calls = []
-
-    class Base:
-        w1_bias = w2_bias = None
-        isa = "vec"
-
-        def apply(self, *args):
-            calls.append(args)
-
-    sub = slots._merging_subclass(Base)
-    experts = Base()
-    experts.__class__ = sub
-    args = tuple(range(15))
-    off = [True]
-    experts._sere_off = lambda: off[0]
-    experts.apply(*args)
-    assert calls == [args]
-    off[0] = False  # a re-routing range: the merging op gets the call (here with nonsense arguments: it refuses)
-    with pytest.raises(Exception):
-        experts.apply(*args)
-    assert len(calls) == 1

@@ -142,6 +142,26 @@ int64_t merge_slots(const int32_t* ids, const float* weights, int64_t t, int64_t
   return m;
 }
 
+// Whether merge_slots would leave a call as it is (it returns -1 for an id outside [0, E), or T * K
+// when every token's K slots sit on K distinct experts with non-zero weights), decided before
+// anything is allocated: a call with nothing to merge (an off step, the model's own routing)
+// costs one pass over its slots on top of vLLM's kernel.
+bool nothing_to_merge(const int32_t* ids, const float* weights, int64_t t, int64_t k, int64_t e) {
+  for (int64_t i = 0; i < t * k; ++i) {
+    if (ids[i] < 0 || ids[i] >= e) return true;
+  }
+  for (int64_t i = 0; i < t; ++i) {
+    const int32_t* row = ids + i * k;
+    for (int64_t j = 0; j < k; ++j) {
+      if (weights[i * k + j] == 0.0f) return false;
+      for (int64_t jj = 0; jj < j; ++jj) {
+        if (row[jj] == row[j]) return false;
+      }
+    }
+  }
+  return true;
+}
+
 // A row of y added to a float32 accumulator; bfloat16 widened by a shift, which compilers vectorise
 // (c10::BFloat16's conversion is not inlined into a loop they can vectorise).
 template <typename scalar_t>
@@ -219,7 +239,7 @@ void fused_moe(at::Tensor& output, const at::Tensor& input, const at::Tensor& w1
   const bool mergeable = !skip_weighted && t > 0 && topk_ids.scalar_type() == at::kInt &&
                          topk_weights.scalar_type() == at::kFloat && topk_ids.is_contiguous() &&
                          topk_weights.is_contiguous() && input.is_contiguous() && !step_has_kept_rows(t);
-  if (!mergeable) {
+  if (!mergeable || nothing_to_merge(topk_ids.data_ptr<int32_t>(), topk_weights.data_ptr<float>(), t, k, e)) {
     call_vllm_fused_moe(output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, skip_weighted, act, isa);
     return;
   }

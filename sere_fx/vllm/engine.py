@@ -502,8 +502,6 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting | Ran
                 ENGINE.range_steps[layer.index] = [0] * len(plan.ranges)
         else:
             routing = routing_of(plan, tensor)
-        off = getattr(routing, "routings", ())
-        slots.skip_when(runner_, (lambda off=off: off[ENGINE.range] is None) if None in off else None)
         install(runner_.router, routing)
         installed[layer.index] = routing
         if settings.stats:

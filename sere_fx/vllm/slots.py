@@ -70,13 +70,6 @@ def _merging_subclass(cls: type) -> type:
         def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
                   expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
                   apply_router_weight_on_input):
-            off = self.__dict__.get("_sere_off")
-            if off is not None and off():
-                # this step's range is off: the router's own ids, nothing to merge; vLLM's call as it is,
-                # without the merging op's pass over the slots (what an off step should cost: nothing)
-                return cls.apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                                 global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-                                 expert_tokens_meta, apply_router_weight_on_input)
             # vLLM's own call, with a token's slots of one expert merged (engine_op.cpp)
             torch.ops.sere_native.fused_moe(output, hidden_states, w1, w2, self.w1_bias, self.w2_bias, topk_weights,
                                             topk_ids, apply_router_weight_on_input, activation.value, self.isa)
@@ -95,22 +88,9 @@ def install(runner) -> str | None:
     return why
 
 
-def skip_when(runner, off) -> None:
-    """``runner``'s merging kernel calls vLLM's own while ``off()`` is true (a plan's off range: the
-    router's own slots, nothing to merge); None: always merge."""
-    experts = experts_of(runner)
-    if experts is None:
-        return
-    if off is None:
-        experts.__dict__.pop("_sere_off", None)
-    else:
-        experts._sere_off = off
-
-
 def uninstall(runner) -> None:
     """Give ``runner``'s experts object back its own class (no-op when never installed)."""
     experts = experts_of(runner)
     base = getattr(type(experts), "_sere_base", None)
     if base is not None:
         experts.__class__ = base
-        experts.__dict__.pop("_sere_off", None)
