@@ -301,7 +301,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
          max_experts: float | None = None, metric: str = "nll", candidates=None, batch_size: int = 32,
          prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True,
          placement: Placement | None = None, probe_sequences: int | None = None, scorer=None,
-         pack: int = 1, early_stop: bool = True) -> TuneResult:
+         pack: int = 1, early_stop: bool = True, margin: float = 0.0) -> TuneResult:
     """Per-layer (policy, S, rho) for ``model`` on tuning ``windows``; see the module doc.
 
     Two budgets, give one: ``max_loss`` (default 0.02 when neither is given): the fewest experts
@@ -322,6 +322,10 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     On an offloaded ``model`` (``sere_fx.offload``) the cost is experts *fetched* per token per layer
     (cache misses) instead of distinct experts, ``max_experts`` a fraction of exact LRU's fetches, and the
     default candidates the cache-aware rules (``offload_candidates``): the fewest fetches within the budget.
+    ``margin`` (with ``max_loss``): a plan is within the budget when its loss plus ``margin`` standard errors of
+    its paired per-sequence difference from the baseline is at most ``max_loss`` (0: its loss alone). The
+    knapsack buys settings whose measured loss is noise in their favour; a margin of 1-2 asks the
+    tuning text for evidence that the plan holds on other text.
     ``early_stop`` (with ``max_loss``): a per-layer probe or a uniform plan whose loss on the windows scored
     so far is out of the budget by more than ``STOP_Z`` standard errors is stopped after that forward and
     dropped (a probe that alone loses more than the whole budget is no use to the knapsack); whole-plan
@@ -332,6 +336,11 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     gives ``DecodeScores``, ``scorer.layers`` the MoE layers.
     """
     max_loss = _checked_budget(metric, max_loss, max_experts)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
+        raise ArgumentValueError("margin", f"margin: expected a number of standard errors >= 0, got {margin!r}")
+    if margin and max_experts is not None:
+        raise ArgumentValueError("margin", f"margin: applies to a quality budget (max_loss); got margin={margin!r} with "
+                                           f"max_experts={max_experts!r}")
     n = int(windows.shape[0])
     if probe_sequences is not None and (isinstance(probe_sequences, bool) or not isinstance(probe_sequences, int)
                                         or not batch_size <= probe_sequences <= n):
@@ -392,10 +401,14 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     # uniform plans (step 4), then the knapsack's plans with the budget searched (steps 2 and 3)
     target = None if max_experts is None else max_experts * base_distinct  # mean distinct per layer
 
+    def bound(loss: float, s: DecodeScores) -> float:
+        """The loss a plan is held to: its measured loss plus ``margin`` standard errors."""
+        return loss + margin * _paired_se(base, s, base, metric) if margin else loss
+
     def better(loss: float, s: DecodeScores, than) -> bool:
         """Within the budget, and better than ``than`` (None: nothing yet) at the tuned goal."""
         if target is None:
-            return loss <= max_loss and (than is None or mean_count(s) < mean_count(than[2]))
+            return bound(loss, s) <= max_loss and (than is None or mean_count(s) < mean_count(than[2]))
         return mean_count(s) <= target + 1e-9 and (than is None or (loss, mean_count(s)) < (than[1], mean_count(than[2])))
 
     # the untouched model is always within a quality budget, never within an expert budget < 1
@@ -437,8 +450,9 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         bar.update(1)
         if target is None:
             # secant step: the internal budget at which the whole plan would cost exactly max_loss
-            scale = max_loss / loss if loss > 0 else 2.0
-            budget = budget * min(max(scale, 0.5), 2.0) * (0.98 if loss > max_loss else 1.0)
+            held = bound(loss, s)
+            scale = max_loss / held if held > 0 else 2.0
+            budget = budget * min(max(scale, 0.5), 2.0) * (0.98 if held > max_loss else 1.0)
         else:
             # layers interact: scale the summed per-layer budget by how far the whole plan missed
             budget = budget * min(target / mean_count(s), 1.05) * (0.99 if mean_count(s) > target else 1.0)

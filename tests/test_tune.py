@@ -304,7 +304,7 @@ def test_batch_sizes_alone_tunes_the_default_ranges(tmp_path, capsys, monkeypatc
     rc = main(["tune", "--model", testbed_model(), "--sim", "sere-demo/sim.safetensors", "--data", testbed_text(),
                "--num-seqs", "128", "--steps", "2", "--batch-sizes", "--out", "plan.json"])
     assert rc != 0 and seen["sizes"] == [1, 8, 16, 32, 64, 128] == list(sere_fx.tuning.DEFAULT_BATCH_SIZES)
-    assert "batch_sizes: stop here" in capsys.readouterr().err
+    assert "--batch-sizes: stop here" in capsys.readouterr().err  # the CLI names the option
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -312,6 +312,9 @@ def test_batch_sizes_alone_tunes_the_default_ranges(tmp_path, capsys, monkeypatc
     (["--min-speedup", "1.1"], "--min-speedup: only used with --batch-sizes"),
     (["--batch-sizes", "1", "8", "--batch-size", "8"], "--batch-size: --batch-sizes tunes each range at its own size"),
     (["--batch-sizes", "1", "8", "--probe-sequences", "8"], "--probe-sequences: not used with --batch-sizes"),
+    (["--margin", "-1"], "--margin: expected a number of standard errors >= 0, got -1"),
+    (["--margin", "1", "--max-experts", "0.5"], "--margin: applies to the quality budget (--max-loss); got --margin 1 "
+                                                "with --max-experts 0.5"),
     (["--batch-sizes", "1", "8", "--engine", "vllm"], "--batch-sizes: plans that follow the load are tuned on the "
                                                       "transformers path"),
 ])
@@ -377,3 +380,27 @@ def test_out_of_budget_rule():
     nll = _out_of_budget(base, "nll", 0.01)
     assert nll(np.full(20, 10), np.full(20, 20.0 + 16 * 0.5), 20) is True  # +0.5 nats/token everywhere
     assert nll(np.full(20, 10), np.full(20, 20.0 + 16 * 0.005), 20) is False
+
+
+def test_a_margin_holds_the_plan_to_its_loss_plus_standard_errors(setup):
+    """``margin=Z``: the chosen plan's loss plus Z paired standard errors (measured apart from ``tune``) is
+    within the budget, where the plan chosen without a margin may lean on its noise."""
+    from sere_fx.tuning import _paired_se
+
+    model, sim, windows = setup
+    cands = [("oea", 1, None), ("oea", 2, None), ("sere", 1, 0.0)]
+    base = decode_scores(model, windows, batch_size=6, prefill=2, progress=False)
+    experts = []
+    for margin in (0.0, 1.0, 3.0):
+        r = tune(model, sim, windows, max_loss=2e-4, margin=margin, batch_size=6, prefill=2, candidates=cands,
+                 progress=False)
+        s = _measured(model, sim, windows, plan=r.plan)
+        held = (s.mean_nll - base.mean_nll) + margin * _paired_se(base, s, base, "nll")
+        assert held <= 2e-4 + 1e-6, (margin, held)
+        experts.append(r.distinct)
+    # on this model the cheapest plan within the loss alone is not within it by 3 standard errors
+    assert experts[0] < experts[2] and experts == sorted(experts), experts
+    for bad, message in ((dict(margin=-1.0), "margin: expected a number of standard errors >= 0, got -1.0"),
+                         (dict(margin=1.0, max_experts=0.5), "margin: applies to a quality budget")):
+        with pytest.raises(sere_fx.ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            tune(model, sim, windows, batch_size=6, prefill=2, candidates=cands, progress=False, **bad)

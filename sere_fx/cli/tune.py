@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
                              "experts per layer per decode step (0 < F <= 1; e.g. 0.6 reads 40%% fewer); with "
                              "--offload, F times exact LRU's experts fetched per token")
     t.add_argument("--metric", choices=["nll", "accuracy"], default="nll")
+    t.add_argument("--margin", type=float, default=0.0, metavar="Z",
+                   help="with the quality budget: a plan is within it when its loss plus Z standard errors of its "
+                        "paired difference from the baseline on the tuning text is (default 0: its loss alone)")
     _ep_args(t, "tune for expert parallelism: count the busiest of R ranks' experts (--max-experts is then a "
                 "fraction of the baseline's busiest-rank count) and add per-rank weight budgets to the candidates")
     t.add_argument("--batch-size", type=int, default=None, help="decode batch to tune at (default 32)")
@@ -60,6 +63,11 @@ def run(args) -> int:
 
     if (failed := _output_dir_missing("tune", args.out)) is not None:
         return failed
+    if not (args.margin >= 0 and args.margin != float("inf")):
+        raise CliError(f"--margin: expected a number of standard errors >= 0, got {args.margin:g}")
+    if args.margin and args.max_experts is not None:
+        raise CliError(f"--margin: applies to the quality budget (--max-loss); got --margin {args.margin:g} with "
+                       f"--max-experts {args.max_experts:g}")
     if args.batch_sizes == []:  # the option alone: the default ranges
         from sere_fx.tuning import DEFAULT_BATCH_SIZES
 
@@ -117,12 +125,13 @@ def run(args) -> int:
             _offload_model(args, model)
         windows = _windows(args, tokenizer, args.prefill + args.steps + 1)
     common = dict(max_loss=args.max_loss, max_experts=args.max_experts, metric=args.metric, prefill=args.prefill,
-                  max_tokens=args.max_tokens, placement=placement, probe_sequences=args.probe_sequences)
+                  max_tokens=args.max_tokens, placement=placement, probe_sequences=args.probe_sequences,
+                  margin=args.margin)
     if args.batch_sizes is not None:
         return _tune_ranges(args, model, sim, windows, common)
     result = tune(model, sim, windows, batch_size=args.batch_size, scorer=scorer, **common)
     print(result.summary())
-    save_plan(args.out, result.plan, tuned={"metric": result.metric, "max_loss": result.max_loss,
+    save_plan(args.out, result.plan, tuned={"metric": result.metric, "max_loss": result.max_loss, "margin": args.margin,
                                             "max_experts": result.max_experts, "loss": result.loss,
                                             "distinct": result.distinct, "baseline_distinct": result.baseline_distinct,
                                             "data": str(args.data), "token_range": args.token_range,
@@ -148,7 +157,7 @@ def _tune_ranges(args, model, sim, windows, common) -> int:
         return _error("tune", "--batch-sizes: every range is off (nothing within the budget is predicted to pay); "
                               f"expected at least one range that re-routes, got {args.batch_sizes}")
     save_plan(args.out, result.plan, tuned={
-        "metric": result.metric, "max_loss": result.max_loss, "max_experts": result.max_experts,
+        "metric": result.metric, "max_loss": result.max_loss, "max_experts": result.max_experts, "margin": args.margin,
         "cost_us": {"expert": result.cost.expert_us, "slot": result.cost.slot_us, "op": result.cost.op_us},
         "min_speedup": args.min_speedup, "seconds": round(result.seconds, 1), "data": str(args.data),
         "token_range": args.token_range, "sequences": int(windows.shape[0]),
