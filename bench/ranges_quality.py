@@ -24,10 +24,10 @@ import sere_fx
 from sere_fx.calibration import read_documents, token_windows
 from sere_fx.evaluate import decode_scores, paired_bootstrap, parse_policy
 from sere_fx.resources import testbed_model, testbed_text
+from sere_fx.tuning import PACK_ROWS  # sequences per forward, as tune scores them
 
 # windows per batch size (69 tokens each, 64 scored): 256 everywhere, 16,384 scored tokens per batch size
 WINDOWS = {1: 256, 8: 256, 16: 256, 32: 256, 64: 256, 128: 256}
-PACK_ROWS = 128
 
 
 def main() -> None:

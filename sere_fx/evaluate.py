@@ -253,7 +253,9 @@ class ExpertCounter:
                 seen = torch.zeros(flat.shape[0], int(flat.max()) + 1, dtype=torch.bool, device=flat.device)
                 self.counts[index][0] += int(seen.scatter_(1, flat, True).sum())
                 self.counts[index][1] += flat.shape[0]
-                for ids in (stack if self.placement is not None else ()):
+                if self.placement is None:
+                    continue
+                for ids in stack:
                     distinct, slots = rank_load(ids.cpu(), self._owners[index], self.placement.ranks)
                     self.ranked[index][0] += int(distinct.max())
                     self.ranked[index][1] += int(slots.max())
@@ -304,10 +306,13 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
         raise ArgumentValueError("pack", f"pack: expected a positive int, got {pack!r}")
     caches = offloaded_layers(model)
-    if caches and (pack > 1 or parallel):
-        what = ("pack", f"expected 1, got {pack}") if pack > 1 else ("parallel", "expected False, got True")
-        raise ArgumentValueError(what[0], f"{what[0]}: an offloaded model's caches serve one batch at a time, in step "
-                                          f"order; {what[1]}")
+    # an offloaded model's caches serve one batch at a time, in step order
+    if caches and pack > 1:
+        raise ArgumentValueError("pack", f"pack: an offloaded model's caches serve one batch at a time, in step order; "
+                                         f"expected 1, got {pack}")
+    if caches and parallel:
+        raise ArgumentValueError("parallel", "parallel: an offloaded model's caches serve one batch at a time, in step "
+                                             "order; expected False, got True")
     if parallel:
         groups = batch_groups(batch_size, length=length, steps=(prefill, length - 1))
     else:
@@ -345,7 +350,7 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
                     decoder.prefill(batch[:, :prefill])
                 counter.decoding = True
                 for t in range(prefill, length - 1):
-                    with groups:  # one row per sequence: groups of ``group`` rows are the batches
+                    with groups:  # one row per sequence: with pack, each run of batch-size rows is a batch
                         logits = decoder.step(batch[:, t : t + 1])
                     score(start, logits[:, None], batch[:, t + 1 : t + 2])
                     bar.update(1)

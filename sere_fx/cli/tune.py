@@ -4,6 +4,7 @@ best quality within an expert budget), written as a plan; ``--batch-sizes``: one
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from sere_fx.cli.common import (CliError, _check_data, _check_offload_args, _data_args, _engine_args, _engine_kwargs,
@@ -63,7 +64,7 @@ def run(args) -> int:
 
     if (failed := _output_dir_missing("tune", args.out)) is not None:
         return failed
-    if not (args.margin >= 0 and args.margin != float("inf")):
+    if not (math.isfinite(args.margin) and args.margin >= 0):
         raise CliError(f"--margin: expected a number of standard errors >= 0, got {args.margin:g}")
     if args.margin and args.max_experts is not None:
         raise CliError(f"--margin: applies to the quality budget (--max-loss); got --margin {args.margin:g} with "
