@@ -1,12 +1,26 @@
 import os
 import sys
 
+# Two pytest-xdist workers share the machine's cores (pyproject.toml): one compute thread each, and
+# the vLLM engines a worker starts bound to a core of their own. Two workers with two OpenMP
+# threads each, beside an engine spinning on both cores, made GEMM-bound tests 20x slower than
+# alone; set before torch is imported, inherited by every process a test starts. An engine that
+# needs both cores (tensor parallel) sets its own binding.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+_shared = _worker.startswith("gw") and _worker[2:].isdigit()
+if _shared:
+    _cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cores[int(_worker[2:]) % len(_cores)]))
+
 # Triton kernels are tested on the CPU through the interpreter; it must be chosen
 # before triton compiles anything, i.e. before sere_fx is imported.
 try:
     import torch
 
     _cuda = torch.cuda.is_available()
+    if _shared:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 except Exception:  # pragma: no cover
     _cuda = False
 if not _cuda:
