@@ -31,7 +31,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # The longest modules first: the two pytest-xdist workers (--dist loadscope, pyproject.toml) take
 # modules in collection order, so a long module collected last would run alone at the end.
-_LONGEST_FIRST = ("test_vllm_engine.py", "test_vllm_pipeline.py", "test_vllm_server.py", "test_cli.py", "test_export.py")
+# (pyproject.toml passes --no-loadscope-reorder: xdist would otherwise order modules by their
+# number of tests, and the engine modules, few tests of a minute each, would run last.)
+_LONGEST_FIRST = ("test_vllm_engine.py", "test_vllm_pipeline.py", "test_export.py", "test_vllm_server.py",
+                  "test_cli.py", "test_lm_eval.py", "test_compile.py", "test_decode_export.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -354,6 +354,21 @@ def test_demo_as_the_readme_runs_it(tmp_path, capsys, monkeypatch):
     assert speedup_verdict(1.2, 1.5) == "the limit from experts read is 1.50x on the MoE layers alone"
 
 
+def test_the_reading_judges_the_interval_as_printed():
+    from types import SimpleNamespace as NS
+
+    from sere_fx.demo import speedup_reading
+
+    def reading(p10, p90):
+        return speedup_reading(NS(speedup=NS(p10_s=p10, p90_s=p90, repeats=9), baseline=NS(median_s=1.1),
+                                  policy=NS(median_s=1.0)))
+
+    assert "no difference resolved" in reading(1.003, 1.19)  # printed [1.00, 1.19]: includes 1x
+    assert "no difference resolved" in reading(0.8, 0.996)  # printed [0.80, 1.00]
+    assert "no difference resolved" not in reading(1.006, 1.19)  # printed [1.01, 1.19]
+    assert "no difference resolved" not in reading(0.8, 0.994)  # printed [0.80, 0.99]
+
+
 def test_readme_tune_and_eval_commands(tmp_path, capsys, monkeypatch):
     """The README's `sere-fx tune` and `sere-fx eval` lines on the test-bed, as typed except for
     their size: 32 sequences of 3 scored steps instead of the defaults (minutes of decoding).
