@@ -168,8 +168,9 @@ def test_pt2_carries_the_output_policy(tmp_path):
 
 def test_decomposed_op_with_a_critical_threshold(tmp_path):
     # rho > 0 used to build a tensor from the Python float inside the decomposition, which
-    # made the decomposed graph non-functional (lift_fresh_copy + detach_)
-    model = _settings_model("rho 0.5")
+    # made the decomposed graph non-functional (lift_fresh_copy + detach_); the mixed plan's
+    # layer 0 has rho 0.4
+    model = _settings_model("mixed plan")
     ids = _batches()[1]
     path = exporters.export(model, ids, tmp_path / "m.pt2", format="pt2")
     ep = torch.export.load(path).run_decompositions(sere_fx.ops.decompositions())
