@@ -302,7 +302,15 @@ def max_seqs_for(args) -> int:
 
 
 def settings_for(args, sim: str) -> dict:
-    return {name: {"plan": args.plan} if name == "plan" else policy_settings(name, sim) for name in args.policies}
+    return {name: plan_settings(args.plan, sim) if name == "plan" else policy_settings(name, sim)
+            for name in args.policies}
+
+
+def plan_settings(plan: str, sim: str) -> dict:
+    """The plugin's settings for a tuned plan file: with the similarity file when a layer's policy reads one."""
+    from sere_fx.config import load_plan, needs_similarity
+
+    return {"plan": plan, "sim": sim} if needs_similarity(load_plan(plan)) else {"plan": plan}
 
 
 def run(args) -> dict:
