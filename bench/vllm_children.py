@@ -107,6 +107,13 @@ def policy_settings(name: str, sim: str, **extra) -> dict | None:
     return settings
 
 
+def plan_settings(plan: str, sim: str) -> dict:
+    """The plugin's settings for a tuned plan file: with the similarity file when a layer's policy reads one."""
+    from sere_fx.config import load_plan, needs_similarity
+
+    return {"plan": plan, "sim": sim} if needs_similarity(load_plan(plan)) else {"plan": plan}
+
+
 def model_and_similarity(name: str, cache: str, layers: int = 2, sim: str | None = None) -> tuple[str, str]:
     """``(model dir, similarity file)`` for a benchmark model name (``MODELS``)."""
     if name == "testbed":

@@ -54,7 +54,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_children import HERE, MODELS, TESTBED, model_and_similarity, policy_settings  # noqa: E402
+from vllm_children import HERE, MODELS, TESTBED, model_and_similarity, plan_settings, policy_settings  # noqa: E402
 from vllm_children import POLICIES as BENCH_POLICIES  # noqa: E402
 
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -304,13 +304,6 @@ def max_seqs_for(args) -> int:
 def settings_for(args, sim: str) -> dict:
     return {name: plan_settings(args.plan, sim) if name == "plan" else policy_settings(name, sim)
             for name in args.policies}
-
-
-def plan_settings(plan: str, sim: str) -> dict:
-    """The plugin's settings for a tuned plan file: with the similarity file when a layer's policy reads one."""
-    from sere_fx.config import load_plan, needs_similarity
-
-    return {"plan": plan, "sim": sim} if needs_similarity(load_plan(plan)) else {"plan": plan}
 
 
 def run(args) -> dict:

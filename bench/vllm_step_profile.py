@@ -28,8 +28,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_children import (MODELS, POLICIES, config_of, model_and_similarity, parse_common, policy_settings,  # noqa: E402
-                           run_settings, write_results)
+from vllm_children import (MODELS, POLICIES, config_of, model_and_similarity, parse_common, plan_settings,  # noqa: E402
+                           policy_settings, run_settings, write_results)
 
 MOE_KERNEL_NAMES = ("moe", "grouped_mm", "fused_experts")  # vLLM's CPU fused-MoE op names contain one of these
 
@@ -94,18 +94,23 @@ def main(argv=None) -> dict:
     p.add_argument("--batches", type=int, nargs="+", default=[32], help="batch sizes (concurrent requests)")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--policies", nargs="+", choices=list(POLICIES) + ["off"], default=["plain", "sere", "oea", "weight"],
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES) + ["off", "plan"],
+                   default=["plain", "sere", "oea", "weight"],
                    help="'off': a plan that follows the load, SERE at 1 row and off from 2 rows, so every step "
-                        "of a batch >= 2 takes the ranged path's off branch (what an off step costs)")
+                        "of a batch >= 2 takes the ranged path's off branch (what an off step costs); "
+                        "'plan': the plan file --plan")
+    p.add_argument("--plan", default=None, help="the plan file of policy 'plan'")
     p.add_argument("--cache", default="/tmp/sere-bench", help="where a generated model goes")
     p.add_argument("--top", type=int, default=0, help="also print the N most expensive ops of each engine")
     args = parse_common(p, one_engine, argv)
     if args is None:  # a child process: its engine ran
         return {}
+    if "plan" in args.policies and not (args.plan and os.path.isfile(args.plan)):
+        p.error(f"--plan: expected a plan file for policy 'plan', got {args.plan!r}")
     model, sim = model_and_similarity(args.model, args.cache, args.layers, args.sim)
     layers = json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"]
-    settings = {name: off_plan(model, sim, args.cache) if name == "off" else policy_settings(name, sim)
-                for name in args.policies}
+    special = {"off": lambda: off_plan(model, sim, args.cache), "plan": lambda: plan_settings(args.plan, sim)}
+    settings = {name: special[name]() if name in special else policy_settings(name, sim) for name in args.policies}
     raw = run_settings(os.path.abspath(__file__), settings,
                        {"model": model, "batches": args.batches, "warmup": args.warmup, "tokens": args.tokens},
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})

@@ -186,7 +186,7 @@ ENGINE = _Engine()
 _LIB = torch.library.Library("sere", "FRAGMENT")
 _LIB.define("engine_rows(Tensor topk_ids, int num_experts) -> (Tensor, Tensor)")
 _LIB.define("engine_reroute(Tensor topk_ids, Tensor similarity, int S, float rho, Tensor rank_values) -> Tensor")
-_LIB.define("engine_route(Tensor router_logits, Tensor weights, Tensor topk_ids, int layer) -> (Tensor, Tensor)")
+_LIB.define("engine_range(Tensor topk_ids, int layer) -> Tensor")
 _LIB.define("record_routing(Tensor before, Tensor after, Tensor rank_values, Tensor rows, int layer, int S, int num_experts) -> Tensor")
 
 
@@ -274,21 +274,16 @@ def _record_routing(before, after, rank_values, rows, layer: int, S: int, e: int
     return after.clone()
 
 
-def _engine_route(router_logits, weights, topk_ids, layer: int):
-    # A layer whose settings follow the load (routing.RangeRouting): this step's range's routing.
-    routing = ENGINE.layers[layer]
+def _engine_range(topk_ids, layer: int) -> torch.Tensor:
+    # A layer whose settings follow the load (routing.RangeRouting): this step's range, as the
+    # int64 scalar its torch.cond chain branches on (counted per layer with stats).
     if ENGINE.step_rows and layer in ENGINE.range_steps:
         ENGINE.range_steps[layer][ENGINE.range] += 1
-    chosen = routing.routings[ENGINE.range]
-    if chosen is None:  # off: the router's output, as new tensors (an op's outputs may not alias its inputs)
-        return weights.clone(), topk_ids.clone()
-    new_weights, new_ids = chosen(router_logits, weights, topk_ids)
-    return (new_weights.clone() if new_weights is weights else new_weights,
-            new_ids.clone() if new_ids is topk_ids else new_ids)
+    return torch.tensor(ENGINE.range, dtype=torch.int64)
 
 
 _LIB.impl("engine_rows", _engine_rows, "CompositeExplicitAutograd")
-_LIB.impl("engine_route", _engine_route, "CompositeExplicitAutograd")
+_LIB.impl("engine_range", _engine_range, "CompositeExplicitAutograd")
 _LIB.impl("engine_reroute", _engine_reroute, "CompositeExplicitAutograd")
 _LIB.impl("record_routing", _record_routing, "CompositeExplicitAutograd")
 
@@ -304,9 +299,9 @@ def _(topk_ids, similarity, S, rho, rank_values):
     return torch.empty_like(topk_ids)
 
 
-@torch.library.register_fake("sere::engine_route", lib=_LIB)
-def _(router_logits, weights, topk_ids, layer):
-    return torch.empty_like(weights), torch.empty_like(topk_ids)
+@torch.library.register_fake("sere::engine_range", lib=_LIB)
+def _(topk_ids, layer):
+    return torch.empty((), dtype=torch.int64)
 
 
 @torch.library.register_fake("sere::record_routing", lib=_LIB)

@@ -207,16 +207,34 @@ class LayerRouting:
 
 class RangeRouting:
     """A layer whose settings follow the load (``RowRanges``): one ``LayerRouting`` per range (None:
-    ``off``, the router's output as it is). vLLM's graph is traced once, so the choice cannot be a
-    Python branch in it: the layer calls ``torch.ops.sere.engine_route``, an opaque op that takes the
-    range the step's re-routed row count falls in (decided once per step on the host,
-    ``sere_fx.vllm.engine``) and runs that range's routing."""
+    ``off``, the router's output as it is). vLLM's graph is traced once and the re-routed row count
+    is not one of its shapes, so the choice is a ``torch.cond`` chain in the graph: every range's
+    routing is compiled with the rest of the layer, and each step runs only its own range's, chosen
+    by ``torch.ops.sere.engine_range`` (the range this step's re-routed row count falls in, decided
+    once per step on the host, ``sere_fx.vllm.engine``)."""
 
     def __init__(self, layer: int, bounds: tuple[int, ...], routings: tuple):
         self.layer, self.bounds, self.routings = layer, bounds, routings
+        self._route = self._from(0)
+
+    def _from(self, i: int):
+        """Ranges ``i..`` as one function of ``(range index, router_logits, weights, ids)``."""
+        routing = self.routings[i]
+
+        def this(index, router_logits, weights, ids):
+            if routing is None:  # off: the router's output (cond's outputs may not alias its operands)
+                return weights.clone(), ids.clone()
+            new_weights, new_ids = routing(router_logits, weights, ids)
+            return new_weights.clone(), new_ids.clone()
+
+        if i + 1 == len(self.routings):
+            return this
+        rest = self._from(i + 1)
+        return lambda index, *ops: torch.cond(index <= i, this, rest, (index, *ops))
 
     def __call__(self, router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
-        return torch.ops.sere.engine_route(router_logits, weights, ids, self.layer)
+        index = torch.ops.sere.engine_range(ids, self.layer)
+        return self._route(index, router_logits, weights, ids)
 
 
 _SUBCLASSES: dict[type, type] = {}
