@@ -114,6 +114,12 @@ def plan_settings(plan: str, sim: str) -> dict:
     return {"plan": plan, "sim": sim} if needs_similarity(load_plan(plan)) else {"plan": plan}
 
 
+def check_plan(parser, args) -> None:
+    """Refuse policy 'plan' without a plan file at ``--plan`` (the parser's one-line error)."""
+    if "plan" in args.policies and not (args.plan and os.path.isfile(args.plan)):
+        parser.error(f"--plan: expected a plan file for policy 'plan', got {args.plan!r} (no such file)")
+
+
 def model_and_similarity(name: str, cache: str, layers: int = 2, sim: str | None = None) -> tuple[str, str]:
     """``(model dir, similarity file)`` for a benchmark model name (``MODELS``)."""
     if name == "testbed":

@@ -54,7 +54,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_children import HERE, MODELS, TESTBED, model_and_similarity, plan_settings, policy_settings  # noqa: E402
+from vllm_children import HERE, MODELS, TESTBED, check_plan, model_and_similarity, plan_settings, policy_settings  # noqa: E402
 from vllm_children import POLICIES as BENCH_POLICIES  # noqa: E402
 
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -633,8 +633,7 @@ def main(argv=None) -> dict:
     for name, value in (("--concurrency", args.concurrency), ("--rates", args.rates)):
         if any(v <= 0 for v in value):
             p.error(f"{name}: expected positive values, got {value}")
-    if "plan" in args.policies and not os.path.isfile(args.plan):
-        p.error(f"--plan: expected a plan file, got {args.plan!r} (no such file)")
+    check_plan(p, args)
     if args.repeats < 1:
         p.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
     out_dir = os.path.dirname(os.path.abspath(args.out))

@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_children import (MODELS, POLICIES, config_of, model_and_similarity, parse_common, plan_settings,  # noqa: E402
+from vllm_children import (MODELS, POLICIES, check_plan, config_of, model_and_similarity, parse_common, plan_settings,  # noqa: E402
                            policy_settings, run_settings, write_results)
 
 MOE_KERNEL_NAMES = ("moe", "grouped_mm", "fused_experts")  # vLLM's CPU fused-MoE op names contain one of these
@@ -105,8 +105,7 @@ def main(argv=None) -> dict:
     args = parse_common(p, one_engine, argv)
     if args is None:  # a child process: its engine ran
         return {}
-    if "plan" in args.policies and not (args.plan and os.path.isfile(args.plan)):
-        p.error(f"--plan: expected a plan file for policy 'plan', got {args.plan!r}")
+    check_plan(p, args)
     model, sim = model_and_similarity(args.model, args.cache, args.layers, args.sim)
     layers = json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"]
     special = {"off": lambda: off_plan(model, sim, args.cache), "plan": lambda: plan_settings(args.plan, sim)}

@@ -183,6 +183,21 @@ def _route_groups(inputs: tuple, route, exact, batched: bool) -> tuple:
                  .index_copy_(0, order, torch.cat(ps)) for ps in zip(*pieces))
 
 
+def cond_chain(fns, takes):
+    """``fns`` (one per range, in order) as one function of the operands, a ``torch.cond`` chain in a
+    traced graph: range ``i`` runs where ``takes(i)`` (a bool scalar: the call is in range ``i``, not
+    a later one) holds for it and for no earlier range. The one branching every graph that keeps all
+    its ranges uses (exported artifacts, ``_by_rows``; the vLLM plugin's ranged layers)."""
+
+    def chained(i: int):
+        if i + 1 == len(fns):
+            return fns[i]
+        rest = chained(i + 1)
+        return lambda *ops: torch.cond(takes(i), fns[i], rest, ops)
+
+    return chained(0)
+
+
 def _by_rows(tokens, max_tokens: int | None, stats, branches, model_fn, operands: tuple, count: bool = True):
     """Route a call by its size: ``branches`` is ``((min_rows, fn), ...)`` (ascending from 1; ``fn`` None:
     the model's own routing); a call of ``tokens`` rows runs the last branch whose ``min_rows`` it
@@ -209,14 +224,7 @@ def _by_rows(tokens, max_tokens: int | None, stats, branches, model_fn, operands
             stats.record_range(branches[i][0])
         return (branches[i][1] or model_fn)(*operands)
 
-    def chained(i: int):  # branches i.. as one function of the operands
-        fn = branches[i][1] or model_fn
-        if i + 1 == len(branches):
-            return fn
-        rest, next_low = chained(i + 1), branches[i + 1][0]
-        return lambda *ops: torch.cond(tokens < next_low, fn, rest, ops)
-
-    run = chained(0)
+    run = cond_chain([fn or model_fn for _, fn in branches], lambda i: tokens < branches[i + 1][0])
     if max_tokens is None:
         return run(*operands)
     return torch.cond(tokens <= max_tokens, run, model_fn, operands)

@@ -32,7 +32,8 @@ import torch
 
 from sere_fx.kernels import reroute_cpu
 from sere_fx.config import RoutingConfig
-from sere_fx.policies import INDEX_POLICIES, ablation_reroute, keep_top_s, oea_select, reroute_agreed, weight_select
+from sere_fx.policies import (INDEX_POLICIES, ablation_reroute, cond_chain, keep_top_s, oea_select, reroute_agreed,
+                              weight_select)
 
 
 @dataclass(frozen=True)
@@ -215,26 +216,21 @@ class RangeRouting:
 
     def __init__(self, layer: int, bounds: tuple[int, ...], routings: tuple):
         self.layer, self.bounds, self.routings = layer, bounds, routings
-        self._route = self._from(0)
+        self._branches = [self._branch(routing) for routing in routings]
 
-    def _from(self, i: int):
-        """Ranges ``i..`` as one function of ``(range index, router_logits, weights, ids)``."""
-        routing = self.routings[i]
-
-        def this(index, router_logits, weights, ids):
+    @staticmethod
+    def _branch(routing):
+        def run(router_logits, weights, ids):
             if routing is None:  # off: the router's output (cond's outputs may not alias its operands)
                 return weights.clone(), ids.clone()
             new_weights, new_ids = routing(router_logits, weights, ids)
             return new_weights.clone(), new_ids.clone()
 
-        if i + 1 == len(self.routings):
-            return this
-        rest = self._from(i + 1)
-        return lambda index, *ops: torch.cond(index <= i, this, rest, (index, *ops))
+        return run
 
     def __call__(self, router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         index = torch.ops.sere.engine_range(ids, self.layer)
-        return self._route(index, router_logits, weights, ids)
+        return cond_chain(self._branches, lambda i: index <= i)(router_logits, weights, ids)
 
 
 _SUBCLASSES: dict[type, type] = {}
