@@ -279,7 +279,9 @@ def _engine_range(topk_ids, layer: int) -> torch.Tensor:
     # int64 scalar its torch.cond chain branches on (counted per layer with stats).
     if ENGINE.step_rows and layer in ENGINE.range_steps:
         ENGINE.range_steps[layer][ENGINE.range] += 1
-    return torch.tensor(ENGINE.range, dtype=torch.int64)
+    # scalar_tensor: ~1 us, torch.tensor ~2.6 us (it parses a Python sequence); this runs in every
+    # ranged layer of every step, an off step included.
+    return torch.scalar_tensor(ENGINE.range, dtype=torch.int64)
 
 
 _LIB.impl("engine_rows", _engine_rows, "CompositeExplicitAutograd")
