@@ -185,15 +185,15 @@ def _route_groups(inputs: tuple, route, exact, batched: bool) -> tuple:
 
 def cond_chain(fns, takes):
     """``fns`` (one per range, in order) as one function of the operands, a ``torch.cond`` chain in a
-    traced graph: range ``i`` runs where ``takes(i)`` (a bool scalar: the call is in range ``i``, not
-    a later one) holds for it and for no earlier range. The one branching every graph that keeps all
-    its ranges uses (exported artifacts, ``_by_rows``; the vLLM plugin's ranged layers)."""
+    traced graph: range ``i`` runs where ``takes(i, *operands)`` (a bool scalar: the call is in range
+    ``i``, not a later one) holds for it and for no earlier range. The one branching every graph that
+    keeps all its ranges uses (exported artifacts, ``_by_rows``; the vLLM plugin's ranged layers)."""
 
     def chained(i: int):
         if i + 1 == len(fns):
             return fns[i]
         rest = chained(i + 1)
-        return lambda *ops: torch.cond(takes(i), fns[i], rest, ops)
+        return lambda *ops: torch.cond(takes(i, *ops), fns[i], rest, ops)
 
     return chained(0)
 
@@ -224,7 +224,7 @@ def _by_rows(tokens, max_tokens: int | None, stats, branches, model_fn, operands
             stats.record_range(branches[i][0])
         return (branches[i][1] or model_fn)(*operands)
 
-    run = cond_chain([fn or model_fn for _, fn in branches], lambda i: tokens < branches[i + 1][0])
+    run = cond_chain([fn or model_fn for _, fn in branches], lambda i, *_: tokens < branches[i + 1][0])
     if max_tokens is None:
         return run(*operands)
     return torch.cond(tokens <= max_tokens, run, model_fn, operands)

@@ -216,11 +216,12 @@ class RangeRouting:
 
     def __init__(self, layer: int, bounds: tuple[int, ...], routings: tuple):
         self.layer, self.bounds, self.routings = layer, bounds, routings
-        self._branches = [self._branch(routing) for routing in routings]
+        # built once: the range index is an operand, so each call only evaluates the chain
+        self._route = cond_chain([self._branch(routing) for routing in routings], lambda i, index, *_: index <= i)
 
     @staticmethod
     def _branch(routing):
-        def run(router_logits, weights, ids):
+        def run(_index, router_logits, weights, ids):  # the chain's operands: the index picks the branch
             if routing is None:  # off: the router's output (cond's outputs may not alias its operands)
                 return weights.clone(), ids.clone()
             new_weights, new_ids = routing(router_logits, weights, ids)
@@ -230,7 +231,7 @@ class RangeRouting:
 
     def __call__(self, router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         index = torch.ops.sere.engine_range(ids, self.layer)
-        return cond_chain(self._branches, lambda i: index <= i)(router_logits, weights, ids)
+        return self._route(index, router_logits, weights, ids)
 
 
 _SUBCLASSES: dict[type, type] = {}
