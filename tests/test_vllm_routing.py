@@ -6,6 +6,7 @@ decode rows, and the router's own output for every other row.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from types import SimpleNamespace
@@ -425,3 +426,36 @@ def test_ranges_route_each_step_by_its_re_routed_rows(engine_state, counts):
             assert not torch.equal(ids, own[1]), "a re-routing range must change this batch's routing"
     stats = engine.worker_stats()[0]
     assert [stats[engine.range_key(b)] for b in bounds] == [1.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_call_smaller_than_the_second_range_takes_the_first(engine_state, compiled):
+    """A call of fewer rows than the second range's bound is in the first range whatever the step (its
+    re-routed rows are some of its rows): decided on the call's size, so even a step the host put in
+    the last range routes it by the first; larger calls follow the step's range. Compiled, one graph
+    with a dynamic row count serves both sizes (the size test is a branch, not a guard)."""
+    from sere_fx.config import OFF
+    from sere_fx.vllm.routing import RangeRouting
+
+    configs, bounds = (LayerPlan("sere", 2, 0.0), LayerPlan("oea", 2), OFF), (1, 3, 5)
+    scores = RouterScores.of(make_router("softmax"))
+
+    def alone(config):
+        return LayerRouting(0, config, scores, similarity(), E, False, native_rows=engine.ENGINE.native)
+
+    ranged = RangeRouting(0, bounds, tuple(None if c is OFF else alone(c) for c in configs))
+    # as vLLM compiles: nothing dynamic but the rows (dynamic=True would make the policies' floats symbols)
+    run = torch.compile(ranged.__call__, dynamic=False, fullgraph=True) if compiled else ranged
+    own = make_router("softmax")
+    engine_state.range = 2  # the step's range (off); its first two rows are re-routed (MIXED)
+    for n, want in ((2, 0), (T, 2)):
+        x = logits(3)[:n]
+        weights, ids = own._compute_routing(torch.zeros(n, H), x, None)
+        for t in (x, weights, ids):
+            torch._dynamo.mark_dynamic(t, 0)
+        with torch.compiler.set_stance("fail_on_recompile") if compiled and n == T else contextlib.nullcontext():
+            got = run(x, weights, ids)
+        ref = (weights, ids) if configs[want] is OFF else alone(configs[want])(x, weights, ids)
+        assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0]), (n, want)
+        if want == 0:
+            assert not torch.equal(got[1], ids), "the first range must re-route these rows"

@@ -212,12 +212,21 @@ class RangeRouting:
     is not one of its shapes, so the choice is a ``torch.cond`` chain in the graph: every range's
     routing is compiled with the rest of the layer, and each step runs only its own range's, chosen
     by ``torch.ops.sere.engine_range`` (the range this step's re-routed row count falls in, decided
-    once per step on the host, ``sere_fx.vllm.engine``)."""
+    once per step on the host, ``sere_fx.vllm.engine``).
+
+    A call of fewer token rows than the second range's bound is in the first range whatever the
+    step's mix: the re-routed rows are some of its rows (the row masks are the call's rows). That
+    test is on the call's size, a symbolic one in the graph, which Inductor's wrapper evaluates as
+    a Python comparison: the small steps, where a plan is most often ``off``, skip the range op and
+    the chain (an off step costs one branch call and two small copies)."""
 
     def __init__(self, layer: int, bounds: tuple[int, ...], routings: tuple):
         self.layer, self.bounds, self.routings = layer, bounds, routings
+        branches = [self._branch(routing) for routing in routings]
         # built once: the range index is an operand, so each call only evaluates the chain
-        self._route = cond_chain([self._branch(routing) for routing in routings], lambda i, index, *_: index <= i)
+        chain = cond_chain(branches, lambda i, index, *_: index <= i)
+        self._first = lambda *operands: branches[0](None, *operands)
+        self._by_index = lambda *operands: chain(torch.ops.sere.engine_range(operands[-1]), *operands)
 
     @staticmethod
     def _branch(routing):
@@ -230,8 +239,15 @@ class RangeRouting:
         return run
 
     def __call__(self, router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
-        index = torch.ops.sere.engine_range(ids, self.layer)
-        return self._route(index, router_logits, weights, ids)
+        operands = (router_logits, weights, ids)
+        if len(self.bounds) == 1:
+            return self._by_index(*operands)
+        first = ids.shape[0] < self.bounds[1]
+        if not torch.compiler.is_compiling():  # eager: a plain branch (no cond, no copies for off)
+            if not first:
+                return self._by_index(*operands)
+            return (weights, ids) if self.routings[0] is None else self.routings[0](*operands)
+        return torch.cond(first, self._first, self._by_index, operands)
 
 
 _SUBCLASSES: dict[type, type] = {}
