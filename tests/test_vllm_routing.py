@@ -428,6 +428,42 @@ def test_ranges_route_each_step_by_its_re_routed_rows(engine_state, counts):
     assert [stats[engine.range_key(b)] for b in bounds] == [1.0, 2.0, 2.0]
 
 
+def test_a_step_off_on_every_layer_skips_the_masks(engine_state):
+    """A step whose range is off on every re-routed layer leaves the row masks as they were (no op
+    reads them: each layer returns the router's output), routes as the model does, and is still
+    counted; the next re-routing step sets the masks for its own rows. A range is skipped only
+    when it is off on every layer, and never where a layer routes by one setting for every step."""
+    from sere_fx.config import OFF
+    from sere_fx.vllm.routing import RangeRouting
+
+    scores = RouterScores.of(make_router("softmax"))
+    sere = LayerRouting(0, LayerPlan("sere", 2, 0.0), scores, similarity(), E, False, native_rows=engine.ENGINE.native)
+    bounds = (1, 3)
+    both = RangeRouting(0, bounds, (None, sere))
+    assert engine.off_ranges([both, RangeRouting(1, bounds, (None, sere))], bounds) == {0}
+    assert engine.off_ranges([both, RangeRouting(1, bounds, (sere, sere))], bounds) == set()
+    assert engine.off_ranges([both, sere], bounds) == set()  # one setting for every step reads the masks
+    assert engine.off_ranges([both], None) == set()
+
+    engine_state.bounds, engine_state.off_ranges = bounds, engine.off_ranges([both], bounds)
+    engine_state.layers, engine_state.range_steps = {0: both}, {0: [0, 0]}
+    before = masks(T)  # MIXED: rows 0, 1 and 7 re-routed
+    plan(engine_state, ["a", "p"], [False, True], [1, T - 1])  # one decode row: range 0, off everywhere
+    assert engine_state.range == 0 and engine_state.range_steps[0] == [1, 0]
+    assert all(torch.equal(a, b) for a, b in zip(masks(T), before)), "an off step must not refill the masks"
+    router = make_router("softmax")
+    install(router, both)
+    x = logits(5)
+    own = make_router("softmax")._compute_routing(torch.zeros(T, H), x, None)
+    got = router.select_experts(torch.zeros(T, H), x)
+    assert torch.equal(got[0], own[0]) and torch.equal(got[1], own[1])
+    plan(engine_state, ["a", "b", "c", "p"], [False] * 3 + [True], [1, 1, 1, 1])  # 3 decode rows: range 1
+    rows, kept = masks(T)
+    assert engine_state.range == 1 and rows.nonzero().flatten().tolist() == [0, 1, 2]
+    assert kept.nonzero().flatten().tolist() == [3]  # the rest is padding
+    assert not torch.equal(router.select_experts(torch.zeros(T, H), x)[1], own[1])
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_call_smaller_than_the_second_range_takes_the_first(engine_state, compiled):
     """A call of fewer rows than the second range's bound is in the first range whatever the step (its

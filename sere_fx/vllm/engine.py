@@ -85,6 +85,8 @@ class _Engine:
         self.step_rows = 0
         self.range = 0
         self.range_steps: dict[int, list[int]] = {}
+        # ranges that are off on every re-routed layer: no op of such a step reads the row masks
+        self.off_ranges: frozenset[int] = frozenset()
         self._warned: set[str] = set()
 
     def allocate(self, max_tokens: int, max_requests: int, device) -> None:
@@ -157,6 +159,12 @@ class _Engine:
             if self.step_rows:  # steps per range, for every ranged layer (with stats); not in the graph,
                 for counts in self.range_steps.values():  # which may not reach the range op (RangeRouting)
                     counts[self.range] += 1
+            if self.range in self.off_ranges:
+                # Every layer runs its off branch, which reads no mask, so the masks are left as the
+                # last step set them (a dozen small ops a step, ~3% of a small model's batch-1 step).
+                # The one other reader, the merging kernel, runs vLLM's call on the model's own ids
+                # whatever the masks say (nothing to merge), so its output is unchanged too.
+                return
         n = flags.shape[0]
         self.any_kept = not flags.all()  # every scheduled request has rows: one left out keeps rows
         host = torch.from_numpy(flags)
@@ -507,6 +515,7 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting | Ran
                 ENGINE.owner[layer.index] = placement.owner(layer.num_experts, device=device)
                 ENGINE.rank_stats[layer.index] = torch.zeros(len(EP_STAT_FIELDS), dtype=torch.float64, device=device)
     ENGINE.layers = installed
+    ENGINE.off_ranges = off_ranges(installed.values(), ENGINE.bounds)
     summary = ", ".join(f"{i}: {_describe(p)}" for i, p in sorted(plans.items()))
     speculative = vllm_config.speculative_config
     _logger().info("sere-fx: re-routing %d of %d MoE layers of %s (%s); decode_only=%s, spec_decode=%s, stats=%s, "
@@ -532,6 +541,15 @@ def _exact(plan, top_k: int) -> bool:
     return all(isinstance(c, OffConfig) or c.S >= top_k for c in configs)
 
 
+def off_ranges(routings, bounds) -> frozenset[int]:
+    """The ranges in which every installed layer is ``off`` (none with a plan of one range, or
+    when a layer routes by one setting for every step: its routing reads the masks each step)."""
+    routings = list(routings)
+    if bounds is None or not all(isinstance(r, RangeRouting) for r in routings):
+        return frozenset()
+    return frozenset(i for i in range(len(bounds)) if all(r.routings[i] is None for r in routings))
+
+
 def _common_bounds(ranged: dict) -> tuple[int, ...] | None:
     """The ranges' lower bounds, one set for every layer (a plan file's ranges are), else refused."""
     bounds = {p.bounds for p in ranged.values()}
@@ -552,7 +570,7 @@ def switch_routing(worker, raw) -> None:
         uninstall(runner.router)
         slots.uninstall(runner)
     ENGINE.layers, ENGINE.stats, ENGINE.rank_stats, ENGINE.merging = {}, {}, {}, set()
-    ENGINE.bounds, ENGINE.range_steps = None, {}
+    ENGINE.bounds, ENGINE.range_steps, ENGINE.off_ranges = None, {}, frozenset()
 
 
 def worker_stats(worker=None) -> dict[int, dict[str, float]]:
