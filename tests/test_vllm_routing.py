@@ -126,6 +126,28 @@ def test_row_masks_follow_request_state(engine_state):
     assert not masks(8)[0].any() and not masks(8)[1].any()
 
 
+def test_masks_filled_on_the_host_match_the_device_ops():
+    """The CPU's numpy fill of the row masks against the device ops' (searchsorted over every
+    buffer row), over random steps in sequence: shorter steps after longer ones must clear what
+    the longer ones set, and a forward nobody planned clears everything."""
+    host, device = engine._Engine(), engine._Engine()
+    for state in (host, device):
+        state.allocate(64, 16, "cpu")
+    device._host = None  # the path a GPU engine takes
+    g = np.random.default_rng(0)
+    for step in range(60):
+        n = int(g.integers(0, 9))
+        lengths = g.integers(1, 8, size=n)
+        qsl = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
+        flags = g.random(n) < 0.6
+        for state in (host, device):
+            state.pending = None if step % 17 == 16 else (flags, qsl, 0)
+            state.refresh()
+        assert torch.equal(host.rows, device.rows) and torch.equal(host.kept, device.kept), step
+        assert host.any_kept == device.any_kept
+        assert int(host.rows.sum() + host.kept.sum()) == (0 if step % 17 == 16 else int(qsl[-1]))
+
+
 def test_requests_can_opt_out(engine_state):
     out = SimpleNamespace(extra_args={"sere": False})
     plan(engine_state, *MIXED, new=[("a", out), ("d", SimpleNamespace(extra_args={"sere": True})),

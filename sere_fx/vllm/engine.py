@@ -98,6 +98,11 @@ class _Engine:
         self.opted_out = set()
         # The native CPU op reads these buffers itself (bound once; refresh updates them in place).
         self.native = self.rows.device.type == "cpu" and reroute_cpu.load_engine_op()
+        # On the CPU the masks are filled through numpy views of the same memory: a few
+        # microseconds a step against ~60 for the device ops over the whole buffer
+        # (bench/vllm_refresh.py); ``filled`` is how many rows the last step set.
+        self._host = (self.rows.numpy(), self.kept.numpy()) if self.rows.device.type == "cpu" else None
+        self._filled = max_tokens
         if self.native:
             torch.ops.sere_native.engine_bind_rows(self.rows, self.kept)
 
@@ -150,6 +155,7 @@ class _Engine:
         if pending is None:  # profiling, CUDA-graph capture, a draft model's forward
             self.rows.zero_()
             self.kept.zero_()
+            self._filled = 0
             self.any_kept = False
             self.step_rows = self.range = 0
             return
@@ -161,12 +167,15 @@ class _Engine:
                     counts[self.range] += 1
             if self.range in self.off_ranges:
                 # Every layer runs its off branch, which reads no mask, so the masks are left as the
-                # last step set them (a dozen small ops a step, ~3% of a small model's batch-1 step).
+                # last step set them.
                 # The one other reader, the merging kernel, runs vLLM's call on the model's own ids
                 # whatever the masks say (nothing to merge), so its output is unchanged too.
                 return
         n = flags.shape[0]
         self.any_kept = not flags.all()  # every scheduled request has rows: one left out keeps rows
+        if self._host is not None and qsl.device.type == "cpu":
+            self._fill_on_host(flags, qsl.numpy())
+            return
         host = torch.from_numpy(flags)
         if self.request_flags.is_cuda:
             host = host.pin_memory()
@@ -179,6 +188,21 @@ class _Engine:
         torch.lt(self.positions, qsl[-1], out=self.kept)  # real rows
         self.rows &= self.kept
         self.kept &= ~self.rows
+
+    def _fill_on_host(self, flags: np.ndarray, qsl: np.ndarray) -> None:
+        """The device ops' masks, on the host: request i's rows are ``qsl[i]:qsl[i + 1]`` (the first
+        request's from row 0), re-routed where ``flags[i]``; real rows that are not re-routed are
+        kept; rows past ``qsl[-1]`` (padding, and what the last step set beyond it) are neither."""
+        rows, kept = self._host
+        real = min(int(qsl[-1]), rows.shape[0])
+        if flags.shape[0]:
+            lengths = np.diff(qsl)
+            lengths[0] = qsl[1]
+            rows[:real] = np.repeat(flags, lengths)[:real]
+        kept[:real] = ~rows[:real]
+        rows[real:self._filled] = False
+        kept[real:self._filled] = False
+        self._filled = real
 
     def warn_once(self, key: str, message: str, *args) -> None:
         if key not in self._warned:
