@@ -1,8 +1,9 @@
 """Plans across batch sizes: retention and distinct experts of routing plans at every decode batch,
-on held-out text (tokens 40000: of the test-bed's public text; the plans were tuned on 0:40000).
+on held-out text (tokens 40000: of the test-bed's public text, or --token-range; the plans were tuned
+on 0:40000).
 
-For each batch size, teacher-forced batched decode of 69-token windows (4 prefill tokens, 64 scored
-steps), baseline and each plan on the same windows, paired: top-1 retention (accuracy / baseline
+For each batch size, teacher-forced batched decode of windows of 4 prefill tokens and --steps scored
+steps (default 64: 69-token windows), baseline and each plan on the same windows, paired: top-1 retention (accuracy / baseline
 accuracy) with its 95% paired bootstrap interval, and distinct experts per layer per decode step
 before and after. Batches below 32 rows are decoded packed (``decode_scores(pack=...)``: each batch
 routed and counted as its own). A plan of ranges takes each batch's own range.
@@ -22,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sere_fx
 from sere_fx.calibration import read_documents, token_windows
+from sere_fx.calibration.data import parse_token_range
 from sere_fx.evaluate import decode_scores, paired_bootstrap, parse_policy
 from sere_fx.resources import testbed_model, testbed_text
 from sere_fx.tuning import PACK_ROWS  # sequences per forward, as tune scores them
@@ -35,12 +37,16 @@ def main() -> None:
     p.add_argument("--plans", nargs="+", required=True, help="eval specs: plan:PATH, a plan .json path, or e.g. sere:S=2,rho=0")
     p.add_argument("--sim", required=True)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=sorted(WINDOWS))
+    p.add_argument("--steps", type=int, default=64, help="scored decode steps per window, after 4 prefill tokens")
+    p.add_argument("--token-range", default="40000:", metavar="START:END",
+                   help="the span of the text's tokens the windows come from (default: the held-out part)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    token_range = parse_token_range(args.token_range)
     model = AutoModelForCausalLM.from_pretrained(testbed_model(), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(testbed_model())
     docs = read_documents(testbed_text())
-    held = token_windows(tokenizer, docs, 69, max(WINDOWS.values()), token_range=(40000, None))
+    held = token_windows(tokenizer, docs, 4 + args.steps + 1, max(WINDOWS.values()), token_range=token_range)
     specs = [parse_policy(f"plan:{s}" if s.endswith(".json") and not s.startswith("plan:") else s) for s in args.plans]
     rows = []
     for b in args.batch_sizes:
@@ -66,7 +72,7 @@ def main() -> None:
                   f"{s.mean_distinct:.1f} ({s.mean_distinct / base.mean_distinct - 1:+.0%})", flush=True)
         print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "plans": args.plans}, f, indent=1)
+        json.dump({"rows": rows, "plans": args.plans, "steps": args.steps, "token_range": args.token_range}, f, indent=1)
 
 
 if __name__ == "__main__":
