@@ -5,8 +5,8 @@ on 0:40000).
 For each batch size, teacher-forced batched decode of windows of 4 prefill tokens and --steps scored
 steps (default 64: 69-token windows), baseline and each plan on the same windows, paired: top-1
 retention (accuracy / baseline accuracy) with its 95% paired bootstrap interval, and distinct experts per layer per decode step
-before and after. Batches below 32 rows are decoded packed (``decode_scores(pack=...)``: each batch
-routed and counted as its own). A plan of ranges takes each batch's own range.
+before and after. Batches below ``tuning.PACK_ROWS`` (16) rows are decoded packed (``decode_scores(pack=...)``:
+each batch routed and counted as its own), as tune scores them. A plan of ranges takes each batch's own range.
 
     python bench/ranges_quality.py --plans plan_ranges.json sere:S=2,rho=0 \\
         --sim sim.safetensors --out bench/results/ranges_quality.json

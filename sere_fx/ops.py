@@ -177,10 +177,16 @@ class use_triton:
         _FORCE_TRITON = self._prev
 
 
+def eager(t: torch.Tensor) -> bool:
+    """A real tensor outside any tracing (compile, export, jit and dispatch-mode tracing see fake,
+    functional or proxy tensors): code may then take paths that graphs and ONNX cannot hold."""
+    return (type(t) is torch.Tensor and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
 def _eager_cpu(t: torch.Tensor) -> bool:
     """A real CPU tensor outside any tracing (fake, functional and proxy tensors take the ATen path)."""
-    return (type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0)
+    return t.device.type == "cpu" and eager(t)
 
 
 def reroute_kernel(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,

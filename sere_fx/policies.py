@@ -61,7 +61,7 @@ import torch
 
 from sere_fx.config import INDEX_POLICIES, POLICIES, range_index  # noqa: F401  (the policy names live with their configs)
 from sere_fx.errors import argument_error
-from sere_fx.ops import apply_table, primary_mask, remap_table
+from sere_fx.ops import apply_table, eager, primary_mask, remap_table
 
 TOPK_POLICIES = tuple(p for p in POLICIES if p not in INDEX_POLICIES)  # replace the router's top-k
 REFILL_POLICIES = ("oea", "weight", "output")  # tokens refill from the loaded set; weights come from the model
@@ -418,8 +418,15 @@ def _places(key: torch.Tensor, group: torch.Tensor | None = None, first: torch.T
     within its ``group`` (bool ``[E, E]``: experts compared with each other), else over all; experts
     in ``first`` (bool ``[E]``) come before all others whatever their key (an exact lexicographic
     order: lifting their keys by a constant would round away small differences in float32).
-    E x E compares instead of a stable sort, which ONNX has no operator for."""
+    Traced (an exported or compiled graph): E x E compares, since ONNX has no stable sort; eager
+    without ``group``: two stable sorts, the same order in O(E log E) (a tuning pass routes thousands
+    of one-row batches, where the compares cost seconds)."""
     index = torch.arange(key.shape[0], device=key.device)
+    if group is None and eager(key):
+        order = torch.sort(key, descending=True, stable=True).indices  # ties keep the lower index first
+        if first is not None:  # then ``first`` ahead, each part keeping that order
+            order = order[torch.sort(first[order].to(torch.int8), descending=True, stable=True).indices]
+        return torch.zeros_like(order).scatter(0, order, index)
     ahead = (key.unsqueeze(0) > key.unsqueeze(1)) | ((key.unsqueeze(0) == key.unsqueeze(1))
                                                      & (index.unsqueeze(0) < index.unsqueeze(1)))
     if first is not None:  # [i, j]: is j ahead of i

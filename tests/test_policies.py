@@ -151,6 +151,32 @@ def test_weight_select_matches_loop(seed):
         assert _filled(values, ids, float("-inf")) == weight_loop(logits, k, S, rho, N, logits=True)
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_places_is_the_budget_order_on_both_paths(monkeypatch, traced):
+    """The budget's fill order (``_places``): eager by stable sorts, traced by E x E compares (ONNX has
+    no stable sort); both are a plain loop's ranks: ``first`` ahead, then descending key, ties (signed
+    zeros too) to the lower index; under ``torch.vmap`` as per row."""
+    from sere_fx import policies
+
+    if traced:
+        monkeypatch.setattr(policies, "eager", lambda t: False)
+    g = torch.Generator().manual_seed(3)
+
+    def loop(key, first):
+        rank = sorted(range(len(key)), key=lambda i: (not bool(first[i]) if first is not None else 0, -key[i], i))
+        return [rank.index(i) for i in range(len(key))]
+
+    for trial in range(60):
+        e = 1 + trial % 23
+        key = torch.randint(-2, 3, (e,), generator=g).float() if trial % 2 else torch.randn(e, generator=g)
+        key = torch.where(key == 0, -0.0 if trial % 4 == 1 else 0.0, key)
+        first = torch.rand(e, generator=g) < 0.3 if trial % 3 else None
+        assert policies._places(key, first=first).tolist() == loop(key.tolist(), first), (trial, key, first)
+    keys, firsts = torch.randint(0, 3, (40, 16), generator=g).float(), torch.rand(40, 16, generator=g) < 0.25
+    batched = torch.vmap(lambda k, f: policies._places(k, first=f))(keys, firsts)
+    assert batched.tolist() == [loop(k.tolist(), f) for k, f in zip(keys, firsts)]
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_output_select_matches_loop(seed):
     """``output``: weight's rule with each squared share scaled by the predicted output size."""

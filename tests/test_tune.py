@@ -285,7 +285,8 @@ def test_docs_ranges_tune_command_as_typed_but_smaller(tmp_path, capsys, monkeyp
 
 
 def test_batch_sizes_alone_tunes_the_default_ranges(tmp_path, capsys, monkeypatch):
-    """``--batch-sizes`` with no sizes tunes ``DEFAULT_BATCH_SIZES`` (what the help says)."""
+    """``--batch-sizes`` with no sizes tunes ``DEFAULT_BATCH_SIZES`` (what the help says), on as many windows
+    as the largest size when ``--num-seqs`` is not given (its default, 96, would be too few)."""
     import sere_fx.tuning
     from sere_fx.cli import main
     from sere_fx.resources import testbed_model, testbed_text
@@ -293,7 +294,7 @@ def test_batch_sizes_alone_tunes_the_default_ranges(tmp_path, capsys, monkeypatc
     seen = {}
 
     def fake(model, sim, windows, *, batch_sizes, **kw):
-        seen["sizes"] = list(batch_sizes)
+        seen["sizes"], seen["windows"] = list(batch_sizes), windows.shape[0]
         raise sere_fx.ArgumentError("batch_sizes", "batch_sizes: stop here")
 
     monkeypatch.setattr(sere_fx.tuning, "tune_ranges", fake)
@@ -302,8 +303,9 @@ def test_batch_sizes_alone_tunes_the_default_ranges(tmp_path, capsys, monkeypatc
 
     doc_pages.demo_similarity()
     rc = main(["tune", "--model", testbed_model(), "--sim", "sere-demo/sim.safetensors", "--data", testbed_text(),
-               "--num-seqs", "128", "--steps", "2", "--batch-sizes", "--out", "plan.json"])
+               "--steps", "2", "--batch-sizes", "--out", "plan.json"])
     assert rc != 0 and seen["sizes"] == [1, 8, 16, 32, 64, 128] == list(sere_fx.tuning.DEFAULT_BATCH_SIZES)
+    assert seen["windows"] == 128
     assert "--batch-sizes: stop here" in capsys.readouterr().err  # the CLI names the option
 
 

@@ -292,11 +292,14 @@ def _start_decode_engine(args, kwargs: dict):
     return _start_engine(args, kwargs, max_model_len=length)
 
 
-def _data_args(p, num_seqs: int) -> None:
+def _data_args(p, num_seqs: int | None, default_help: str | None = None) -> None:
+    """``--data``, ``--txt-docs``, ``--num-seqs`` (default ``num_seqs``; None: the command sets it, as
+    ``default_help`` says) and ``--token-range``."""
     p.add_argument("--data", required=True, help="text: .txt, .jsonl (text field) or .parquet (text column)")
     p.add_argument("--txt-docs", choices=["file", "line"], default="file",
                    help=".txt only: the whole file is one document, or each line is one (default: file)")
-    p.add_argument("--num-seqs", type=int, default=num_seqs, help=f"number of sequences (default {num_seqs})")
+    p.add_argument("--num-seqs", type=int, default=num_seqs,
+                   help=f"number of sequences (default {default_help or num_seqs})")
     p.add_argument("--token-range", default="0:", metavar="START:END",
                    help="use only windows inside this span of the text's token stream (default: all)")
 

@@ -13,11 +13,15 @@ from sere_fx.cli.common import (CliError, _check_data, _check_offload_args, _dat
                                  _positive_int, _start_decode_engine, _windows)
 
 
+NUM_SEQS = 96  # tuning windows when --num-seqs is not given (at least the largest of --batch-sizes)
+
+
 def add_parser(sub) -> None:
     t = sub.add_parser("tune", help="per-layer policy/S/rho with the fewest experts within a quality budget")
     t.add_argument("--model", required=True, help="a local transformers model directory")
     t.add_argument("--sim", required=True, help="similarity file")
-    _data_args(t, 96)
+    _data_args(t, None, f"{NUM_SEQS}; with --batch-sizes, the largest size where that is more: 128 for the "
+                        f"default sizes")
     budget = t.add_mutually_exclusive_group()
     budget.add_argument("--max-loss", type=float, default=None,
                         help="quality budget, for the fewest experts within it: mean NLL increase in nats/token "
@@ -37,7 +41,8 @@ def add_parser(sub) -> None:
     t.add_argument("--batch-sizes", type=_positive_int, nargs="*", default=None, metavar="B",
                    help="tune a plan that follows the load: one range per batch size (ascending; the range of B holds "
                         "steps of B rows up to the next size, the first from 1 row), each tuned at its size within "
-                        "the budget; alone: 1 8 16 32 64 128 (needs --num-seqs >= the largest)")
+                        "the budget; alone: 1 8 16 32 64 128 (--num-seqs: at least the largest; its default "
+                        "grows to it)")
     t.add_argument("--cost", type=_cost, default=None, metavar="EXPERT_US,SLOT_US,OP_US",
                    help="with --batch-sizes: the MoE kernel's cost per distinct expert, per token-slot and of the "
                         "re-routing op (bench/vllm_step_profile.py measures them; default: the Qwen3-30B-A3B shape "
@@ -73,6 +78,8 @@ def run(args) -> int:
         from sere_fx.tuning import DEFAULT_BATCH_SIZES
 
         args.batch_sizes = list(DEFAULT_BATCH_SIZES)
+    if args.num_seqs is None:  # every range tunes on at least one batch of its size
+        args.num_seqs = max([NUM_SEQS, *(args.batch_sizes or [])])
     if args.batch_sizes is None:
         for option, value, default in (("--cost", args.cost, None), ("--min-speedup", args.min_speedup, 1.0)):
             if value != default:
