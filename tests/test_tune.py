@@ -406,3 +406,41 @@ def test_a_margin_holds_the_plan_to_its_loss_plus_standard_errors(setup):
                          (dict(margin=1.0, max_experts=0.5), "margin: applies to a quality budget")):
         with pytest.raises(sere_fx.ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
             tune(model, sim, windows, batch_size=6, prefill=2, candidates=cands, progress=False, **bad)
+
+
+def test_scoring_runs_the_sparse_experts_kernel_and_gives_the_model_back(setup):
+    """A tuning pass on a CPU model on transformers' default experts kernel scores on ``sere_sparse`` (cheaper
+    for a pass's many small expert groups): the same scores as the model's own kernel, and the model is
+    on its own kernel again afterwards; a kernel the user chose is kept."""
+    from sere_fx.config import config
+    from sere_fx.tuning import ModelScorer
+
+    model, sim, windows = setup
+    layers = find_moe_layers(model)
+    seen = []
+    hooks = [layer.experts.register_forward_pre_hook(lambda m, a: seen.append(model.config._experts_implementation))
+             for layer in layers]
+    try:
+        for chosen in ("grouped_mm", "eager"):
+            model.set_experts_implementation(chosen)
+            scorer = ModelScorer(model, sim, batch_size=6, prefill=2, max_tokens=None, placement=None)
+            plan = {layer.index: config("oea", 1) for layer in layers}
+            for p in (None, plan):
+                seen.clear()
+                got = scorer(p, windows)
+                assert set(seen) == {"sere_sparse" if chosen == "grouped_mm" else chosen}, (chosen, set(seen))
+                assert model.config._experts_implementation == chosen
+                seen.clear()
+                if p is not None:
+                    sere_fx.transform(model, sim, plan=p)
+                try:
+                    own = decode_scores(model, windows, batch_size=6, prefill=2, progress=False, parallel=True)
+                finally:
+                    sere_fx.restore(model)
+                assert set(seen) == {chosen}
+                assert np.array_equal(got.correct, own.correct) and np.allclose(got.nll, own.nll, rtol=1e-5)
+                assert got.distinct == own.distinct
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_experts_implementation("grouped_mm")
