@@ -29,7 +29,6 @@ smooth, so small budgets are measurable) or the relative top-1 accuracy drop
 
 from __future__ import annotations
 
-import contextlib
 
 import math
 from dataclasses import dataclass, field
@@ -253,35 +252,15 @@ class ModelScorer:
     def __call__(self, plan: dict[int, RoutingConfig] | None, windows: torch.Tensor, stop=None) -> DecodeScores | None:
         """``plan`` on every layer (None: the model's own routing), scored on ``windows``; None when ``stop``
         ended the pass early."""
-        with _scoring_experts(self.model):
-            if plan is None:
-                return decode_scores(self.model, windows, stop=stop, **self.kw)
-            transform(self.model, self.sim, plan=plan, max_tokens=self.max_tokens)
-            try:
-                # ``topk`` leaves fewer slots than prompt rows have: those plans decode step by step
-                parallel = self.kw["parallel"] and all(getattr(c, "policy", None) != "topk" for c in plan.values())
-                return decode_scores(self.model, windows, stop=stop, **{**self.kw, "parallel": parallel})
-            finally:
-                restore(self.model)
-
-
-@contextlib.contextmanager
-def _scoring_experts(model: nn.Module):
-    """A CPU transformers model on its default experts kernel (``grouped_mm``) scores on ``sere_sparse``
-    (``sere_fx.kernels.experts_cpu``) for the pass, then goes back: the same outputs up to float rounding
-    (tests/test_policies.py), ~30% less time for a tuning forward's many small expert groups on the
-    2-core CI machine. Any other kernel is the user's choice and is kept."""
-    config = getattr(model, "config", None)
-    switch = (hasattr(model, "set_experts_implementation") and getattr(config, "_experts_implementation", None) == "grouped_mm"
-              and all(p.device.type == "cpu" for p in model.parameters()))
-    if not switch:
-        yield
-        return
-    model.set_experts_implementation("sere_sparse")
-    try:
-        yield
-    finally:
-        model.set_experts_implementation("grouped_mm")
+        if plan is None:
+            return decode_scores(self.model, windows, stop=stop, **self.kw)
+        transform(self.model, self.sim, plan=plan, max_tokens=self.max_tokens)
+        try:
+            # ``topk`` leaves fewer slots than prompt rows have: those plans decode step by step
+            parallel = self.kw["parallel"] and all(getattr(c, "policy", None) != "topk" for c in plan.values())
+            return decode_scores(self.model, windows, stop=stop, **{**self.kw, "parallel": parallel})
+        finally:
+            restore(self.model)
 
 
 def _checked_budget(metric: str, max_loss, max_experts):
