@@ -290,6 +290,13 @@ def range_index(bounds, rows) -> int:
     return i
 
 
+def is_exact(plan: RoutingConfig, top_k: int) -> bool:
+    """Whether ``plan`` leaves every call's routing as the model's: off, or S >= K (every token keeps its
+    own experts), in every range of a ``RowRanges``."""
+    configs = plan.configs if isinstance(plan, RowRanges) else (plan,)
+    return all(isinstance(c, OffConfig) or c.S >= top_k for c in configs)
+
+
 @dataclass(frozen=True, init=False)
 class RowRanges(RoutingConfig):
     """Settings that follow the load: ``ranges`` is ``((min_rows, config), ...)``, ascending from 1; a call

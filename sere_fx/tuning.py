@@ -37,13 +37,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sere_fx.config import OutputConfig, Quantile, RoutingConfig, SereConfig, WeightConfig, config
+from sere_fx.config import OutputConfig, Quantile, RoutingConfig, SereConfig, WeightConfig, config, is_exact
 from sere_fx.discovery import find_moe_layers
 from sere_fx.errors import ArgumentValueError
 from sere_fx.evaluate import DecodeScores, decode_scores
 from sere_fx.expert_cache import is_offloaded
 from sere_fx.model_transform import restore, transform
 from sere_fx.placement import Placement, check_layers
+from sere_fx.prefix import PrefixRecord
 from sere_fx.similarity import as_similarity, resolve
 
 METRICS = ("nll", "accuracy")
@@ -237,15 +238,20 @@ def _uniform_plans(jobs, layers) -> list[dict[int, RoutingConfig]]:
 class ModelScorer:
     """Scores plans on a transformers model: ``transform`` with the plan, teacher-forced decode, every step
     of ``batch_size * pack`` sequences in one forward (``decode_scores(parallel=True)``: the step-by-step
-    scores up to float rounding, several times faster); an offloaded model's caches decode step by step."""
+    scores up to float rounding, several times faster); an offloaded model's caches decode step by step.
+    A baseline pass records the MoE decoder layers' inputs (``sere_fx.prefix``): a later plan on the same
+    windows that routes its first layers as the model does starts its forwards at the first layer it changes
+    (``reuse_prefix``; a probe of the last of four layers runs one layer's worth)."""
 
     def __init__(self, model: nn.Module, sim, *, batch_size: int, prefill: int, max_tokens: int | None,
-                 placement: Placement | None, pack: int = 1):
+                 placement: Placement | None, pack: int = 1, reuse_prefix: bool = True):
         self.model, self.sim, self.max_tokens = model, sim, max_tokens
         self.layers = find_moe_layers(model)
         parallel = not is_offloaded(model)
         self.kw = dict(batch_size=batch_size, prefill=prefill, progress=False, placement=placement, pack=pack,
                        parallel=parallel)
+        self.reuse_prefix = reuse_prefix and parallel
+        self._recorded: list[tuple[torch.Tensor, PrefixRecord, DecodeScores]] = []  # per baseline's windows
 
     stops_early = True  # takes ``stop`` (``decode_scores``): a pass can end after any forward
 
@@ -253,14 +259,42 @@ class ModelScorer:
         """``plan`` on every layer (None: the model's own routing), scored on ``windows``; None when ``stop``
         ended the pass early."""
         if plan is None:
-            return decode_scores(self.model, windows, stop=stop, **self.kw)
+            if not self.reuse_prefix:
+                return decode_scores(self.model, windows, stop=stop, **self.kw)
+            record = PrefixRecord(self.model, *windows.shape)
+            with record.record():
+                s = decode_scores(self.model, windows, stop=stop, **self.kw)
+            if s is not None:
+                self._recorded.append((windows, record, s))
+            return s
         transform(self.model, self.sim, plan=plan, max_tokens=self.max_tokens)
         try:
             # ``topk`` leaves fewer slots than prompt rows have: those plans decode step by step
             parallel = self.kw["parallel"] and all(getattr(c, "policy", None) != "topk" for c in plan.values())
-            return decode_scores(self.model, windows, stop=stop, **{**self.kw, "parallel": parallel})
+            found = self._baseline(windows) if parallel else None
+            if found is None:
+                return decode_scores(self.model, windows, stop=stop, **{**self.kw, "parallel": parallel})
+            record, base = found
+            top_k = {layer.index: layer.top_k for layer in self.layers}
+            start = record.start_for(min((i for i, c in plan.items() if not is_exact(c, top_k[i])), default=None))
+            with record.replay(start):
+                s = decode_scores(self.model, windows, stop=stop, **self.kw)
+            if s is not None:  # the skipped layers routed as the baseline did: its counts are theirs
+                for i, position in record.moe_position.items():
+                    if position < start:
+                        for counts in ("distinct", "rank_distinct", "rank_slots", "slots"):
+                            if getattr(s, counts) is not None:
+                                getattr(s, counts)[i] = getattr(base, counts)[i]
+            return s
         finally:
             restore(self.model)
+
+    def _baseline(self, windows: torch.Tensor):
+        """The recorded baseline pass of these windows (record, scores), or None."""
+        for w, record, base in self._recorded:
+            if w.shape == windows.shape and torch.equal(w, windows):
+                return record, base
+        return None
 
 
 def _checked_budget(metric: str, max_loss, max_experts):

@@ -35,7 +35,7 @@ import torch
 from sere_fx.kernels import reroute_cpu
 from sere_fx.ops import free_experts, primary_mask, reroute_kernel
 from sere_fx.placement import Placement
-from sere_fx.config import OffConfig, RowRanges, range_index
+from sere_fx.config import OffConfig, RowRanges, is_exact, range_index
 from sere_fx.policies import TOPK_POLICIES
 from sere_fx.stats import repeated_slots
 from sere_fx.vllm import slots
@@ -507,7 +507,7 @@ def attach(model, vllm_config, raw, runner=None) -> dict[int, LayerRouting | Ran
         if scores.bias is not None and scores.scoring_func is None:
             raise SettingsError(f"{WHERE}: layer {layer.index} ({scores.router}) ranks experts by a biased score "
                                 f"sere-fx cannot recompute ({scores.unsupported})")
-        if _exact(plan, layer.top_k) and not settings.stats:
+        if is_exact(plan, layer.top_k) and not settings.stats:
             uninstall(runner_.router)  # S = K leaves this layer's routing as it is (with stats: counted)
             slots.uninstall(runner_)
             continue
@@ -557,12 +557,6 @@ def _describe(plan) -> str:
         return "off"
     return (f"{plan.policy} S={plan.S}" + (f" rho={plan.rho:.3g}" if plan.rho is not None else "")
             + (f" N={plan.N}" if plan.N is not None else ""))
-
-
-def _exact(plan, top_k: int) -> bool:
-    """Whether ``plan`` leaves every step's routing as it is (S = K, or off, in every range)."""
-    configs = plan.configs if isinstance(plan, RowRanges) else (plan,)
-    return all(isinstance(c, OffConfig) or c.S >= top_k for c in configs)
 
 
 def off_ranges(routings, bounds) -> frozenset[int]:
