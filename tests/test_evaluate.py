@@ -336,3 +336,38 @@ def test_parallel_decode_scores_equal_step_by_step(placement):
         finally:
             if config is not None:
                 sere_fx.restore(model)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+def test_parallel_decode_runs_the_experts_in_chunks_with_the_same_scores(family, monkeypatch):
+    """The whole-window forward's experts run on at most ``EXPERT_TOKENS`` rows at a time: the same
+    scores and counts (one call per layer forward, as routed on the whole call) as in one piece."""
+    import sere_fx.evaluate as ev
+    from sere_fx.discovery import find_moe_blocks
+
+    model = tiny_model(family, seed=4, experts_implementation="grouped_mm")
+    windows = torch.randint(3, 90, (8, 9), generator=torch.Generator().manual_seed(2))
+    sere_fx.transform(model, random_similarity(find_moe_layers(model), seed=5), sere_fx.SereConfig(S=1, rho=0.0),
+                      max_tokens=None)
+    experts = type(find_moe_blocks(model)[0].experts)
+    rows = []
+
+    def spy(self, hidden, *args, **kwargs):
+        rows.append(hidden.shape[0])
+        return whole(self, hidden, *args, **kwargs)
+
+    whole = experts.forward
+    monkeypatch.setattr(experts, "forward", spy)
+    try:
+        kw = dict(batch_size=4, prefill=2, progress=False, parallel=True)
+        one = decode_scores(model, windows, **kw)
+        assert set(rows) == {4 * 9}  # a forward of 4 windows of 9 tokens: one call per layer
+        monkeypatch.setattr(ev, "EXPERT_TOKENS", 10)
+        rows.clear()
+        chunked = decode_scores(model, windows, **kw)
+    finally:
+        sere_fx.restore(model)
+    assert rows and max(rows) <= 10 and sum(rows) == 2 * len(find_moe_blocks(model)) * 4 * 9
+    assert np.array_equal(one.correct, chunked.correct)
+    assert np.allclose(one.nll, chunked.nll, rtol=0, atol=1e-5)
+    assert one.distinct == chunked.distinct
