@@ -6,7 +6,9 @@ over between models or similarity methods. ``tune`` searches, on a tuning text:
 1. *Probe*: every candidate setting (policy x S x rho-quantile, and ``weight`` budgets as
    fractions of the experts a call picks) is applied to one MoE layer
    at a time, the others left as they are; each probe is one batched-decode pass that
-   measures that layer's distinct experts and the quality loss it causes.
+   measures that layer's distinct experts and the quality loss it causes. The layers before
+   the probed one compute what the baseline pass computed, so a probe's forwards start at the
+   probed layer from the baseline's recorded input (``ModelScorer``, ``sere_fx.prefix``).
 2. *Choose*: a multiple-choice knapsack over layers (dynamic programming on the loss)
    picks one candidate per layer minimising the summed distinct experts subject to the
    summed loss <= ``max_loss``. Losses are clamped at 0, so noise cannot buy experts.
