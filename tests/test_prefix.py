@@ -83,3 +83,23 @@ def test_a_record_over_its_bytes_keeps_every_mth_layer():
     thin.complete = True
     assert thin.start_for(1) == 0 and thin.start_for(2) == 2 and thin.start_for(None) == 2
     assert PrefixRecord(model, rows, length).start_for(2) == 0  # nothing recorded yet
+
+
+def test_a_layer_that_keeps_every_experts_is_scored_off(monkeypatch):
+    """S = K (``tune``'s untouched setting) routes as the model does: the scorer runs such a layer off (no
+    op call), with the baseline's scores, and only the changed layer gets the op."""
+    import sere_fx.tuning as tuning
+
+    model = tiny_model("qwen3_moe", seed=5)
+    layers = find_moe_layers(model)
+    whole, _ = _scorers(model, random_similarity(layers, seed=2))
+    windows = _windows(3)
+    untouched = {layer.index: SereConfig(S=layer.top_k, rho=0.0) for layer in layers}
+    given = []
+    transform = tuning.transform
+    monkeypatch.setattr(tuning, "transform", lambda model, sim, plan, **kw: given.append(plan) or transform(model, sim, plan=plan, **kw))
+    with torch.no_grad():
+        _same(whole(None, windows), whole(untouched, windows))
+        whole({**untouched, layers[1].index: config("sere", 1, 0.0)}, windows)
+    assert all(c is OFF for c in given[0].values())
+    assert given[1][layers[0].index] is OFF and given[1][layers[1].index] == config("sere", 1, 0.0)
