@@ -58,16 +58,17 @@ class PrefixRecord:
             every = max(1, -(-per_layer * len(starts) // max_bytes))
             starts = starts[every - 1 :: every]
         self.moe_position = where  # MoE layer index -> decoder-layer position
-        self.starts = starts if self.stack is not None else []
+        self.starts = starts  # none without a decoder stack
         self.inputs: dict[int, list[torch.Tensor]] = {p: [] for p in self.starts}
         self.complete = False
 
     def start_for(self, first_changed: int | None) -> int:
         """The deepest recorded position at or before MoE layer ``first_changed`` (None: the plan
         changes no layer); 0 when nothing recorded lies before it."""
-        limit = len(self.stack) if first_changed is None and self.stack is not None else \
-            self.moe_position.get(first_changed, 0)
-        return max((p for p in self.starts if p <= limit), default=0) if self.complete else 0
+        if not self.complete:
+            return 0
+        limit = len(self.stack) if first_changed is None else self.moe_position.get(first_changed, 0)
+        return max((p for p in self.starts if p <= limit), default=0)
 
     @contextlib.contextmanager
     def record(self):

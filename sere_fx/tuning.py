@@ -31,7 +31,6 @@ smooth, so small budgets are measurable) or the relative top-1 accuracy drop
 
 from __future__ import annotations
 
-
 import math
 from dataclasses import dataclass, field
 
