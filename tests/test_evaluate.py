@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import sere_fx
 from sere_fx.discovery import find_moe_layers
@@ -361,13 +362,78 @@ def test_parallel_decode_runs_the_experts_in_chunks_with_the_same_scores(family,
     try:
         kw = dict(batch_size=4, prefill=2, progress=False, parallel=True)
         one = decode_scores(model, windows, **kw)
-        assert set(rows) == {4 * 9}  # a forward of 4 windows of 9 tokens: one call per layer
+        assert set(rows) == {4 * 8}  # a forward of 4 windows of 9 tokens, the last only a target: one call per layer
         monkeypatch.setattr(ev, "EXPERT_TOKENS", 10)
         rows.clear()
         chunked = decode_scores(model, windows, **kw)
     finally:
         sere_fx.restore(model)
-    assert rows and max(rows) <= 10 and sum(rows) == 2 * len(find_moe_blocks(model)) * 4 * 9
+    assert rows and max(rows) <= 10 and sum(rows) == 2 * len(find_moe_blocks(model)) * 4 * 8
     assert np.array_equal(one.correct, chunked.correct)
     assert np.allclose(one.nll, chunked.nll, rtol=0, atol=1e-5)
     assert one.distinct == chunked.distinct
+
+
+def _reference_scores(logits: torch.Tensor, targets: torch.Tensor):
+    """Per-sequence summed NLL and top-1 hits of ``logits [B, T, V]``, in float64."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return (-logp.gather(2, targets[..., None]).squeeze(-1).sum(1).numpy(),
+            (logp.argmax(-1) == targets).sum(1).numpy())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_whole_window_scores_match_the_models_logits_in_float64(family, monkeypatch):
+    """The head run by ``CachedDecode.whole`` in chunks of sequences (here one sequence per chunk) scores what
+    the model's own logits score in float64; the last token is not fed."""
+    import sere_fx.evaluate as ev
+
+    model = tiny_model(family, seed=6)
+    windows = torch.randint(3, 90, (5, 10), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(ev, "SCORE_ELEMENTS", 1)
+    with torch.no_grad():
+        ref = _reference_scores(model(windows[:, :-1]).logits[:, 3:], windows[:, 4:])
+        nll, correct = CachedDecode(model).whole(windows[:, :-1], windows[:, 4:])
+    np.testing.assert_allclose(nll.numpy(), ref[0], rtol=1e-5)
+    assert correct.tolist() == ref[1].tolist()
+    assert type(model) not in ev._HEAD_CHANGED
+
+
+class _ScaledLogits(nn.Module):
+    """A causal LM whose forward changes what its output embedding returns (logits / 2)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, input_ids, use_cache=False, logits_to_keep=0):
+        out = self.inner(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep)
+        out.logits = out.logits / 2
+        return out
+
+
+def test_whole_window_scores_a_changed_or_hooked_head_on_the_models_own_logits():
+    """Where the model changes its head's output, or the head has a hook, ``whole`` scores the model's own
+    logits (here scaled by 1/2, which moves the NLL), not the head's."""
+    import sere_fx.evaluate as ev
+
+    inner = tiny_model("qwen3_moe", seed=7)
+    windows = torch.randint(3, 90, (4, 9), generator=torch.Generator().manual_seed(5))
+    tokens, targets = windows[:, :-1], windows[:, 4:]
+    with torch.no_grad():
+        ref = _reference_scores(inner(tokens).logits[:, 3:] / 2, targets)
+        scaled = _ScaledLogits(inner)
+        got = CachedDecode(scaled).whole(tokens, targets)
+        assert _ScaledLogits in ev._HEAD_CHANGED
+        again = CachedDecode(scaled).whole(tokens, targets)  # remembered: the model's logits at once
+        handle = inner.get_output_embeddings().register_forward_hook(lambda m, i, out: out / 2)
+        try:
+            hooked = CachedDecode(inner).whole(tokens, targets)
+        finally:
+            handle.remove()
+    ev._HEAD_CHANGED.discard(_ScaledLogits)
+    for nll, correct in (got, again, hooked):
+        np.testing.assert_allclose(nll.numpy(), ref[0], rtol=1e-5)
+        assert correct.tolist() == ref[1].tolist()
