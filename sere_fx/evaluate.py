@@ -241,32 +241,34 @@ SCORE_ELEMENTS = 1 << 21
 
 def next_token_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence summed NLL (float64) and correct top-1 counts of ``logits [B, T, V]`` against ``targets
-    [B, T]``, a few sequences at a time: NLL is ``logsumexp - target logit`` in float32, top-1 the argmax."""
-    nll = torch.zeros(targets.shape[0], dtype=torch.float64, device=targets.device)
-    correct = torch.zeros(targets.shape[0], dtype=torch.int64, device=targets.device)
-    step = max(1, SCORE_ELEMENTS // (targets.shape[1] * logits.shape[-1]))
-    for i in range(0, targets.shape[0], step):
-        _score_chunk(logits[i : i + step].float(), targets[i : i + step], nll[i : i + step], correct[i : i + step])
-    return nll, correct
-
-
-def _score_chunk(logits, targets, nll, correct) -> None:
-    target = logits.gather(-1, targets[..., None]).squeeze(-1)
-    nll += (torch.logsumexp(logits, -1) - target).double().sum(-1)
-    correct += (logits.argmax(-1) == targets).sum(-1)
+    [B, T]``: NLL is ``logsumexp - target logit`` in float32, top-1 the argmax."""
+    return _scores_in_chunks(lambda i, j: logits[i:j], targets, logits.shape[-1])
 
 
 def _head_scores(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``next_token_scores`` of ``head(hidden)``, computed a chunk of sequences at a time (the head's
-    weight transposed once: a contiguous ``[H, V]`` right operand multiplies ~1.3x faster on a CPU)."""
+    """``next_token_scores`` of ``head(hidden)``, the head run one chunk of sequences at a time (its weight
+    transposed once: a contiguous ``[H, V]`` right operand multiplies faster on a CPU)."""
     weight = head.weight.t().contiguous()
+
+    def logits(i, j):
+        h = hidden[i:j]
+        if head.bias is None:
+            return h @ weight
+        return torch.addmm(head.bias, h.flatten(0, 1), weight).view(*h.shape[:-1], -1)
+
+    return _scores_in_chunks(logits, targets, head.out_features)
+
+
+def _scores_in_chunks(logits_of, targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``next_token_scores`` a few sequences at a time: ``logits_of(i, j)`` gives sequences ``i:j``'s
+    logits, scored while they are in cache (``SCORE_ELEMENTS`` per chunk)."""
     nll = torch.zeros(targets.shape[0], dtype=torch.float64, device=targets.device)
     correct = torch.zeros(targets.shape[0], dtype=torch.int64, device=targets.device)
-    step = max(1, SCORE_ELEMENTS // (targets.shape[1] * head.out_features))
+    step = max(1, SCORE_ELEMENTS // (targets.shape[1] * vocab))
     for i in range(0, targets.shape[0], step):
-        h = hidden[i : i + step]
-        logits = h @ weight if head.bias is None else torch.addmm(head.bias, h.flatten(0, 1), weight).view(*h.shape[:-1], -1)
-        _score_chunk(logits.float(), targets[i : i + step], nll[i : i + step], correct[i : i + step])
+        logits, target = logits_of(i, i + step).float(), targets[i : i + step]
+        nll[i : i + step] = (torch.logsumexp(logits, -1) - logits.gather(-1, target[..., None]).squeeze(-1)).double().sum(-1)
+        correct[i : i + step] = (logits.argmax(-1) == target).sum(-1)
     return nll, correct
 
 

@@ -381,13 +381,20 @@ def _reference_scores(logits: torch.Tensor, targets: torch.Tensor):
             (logp.argmax(-1) == targets).sum(1).numpy())
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_whole_window_scores_match_the_models_logits_in_float64(family, monkeypatch):
+@pytest.mark.parametrize("family,bias", [("qwen3_moe", False), ("mixtral", False), ("gpt_oss", False), ("qwen3_moe", True)])
+def test_whole_window_scores_match_the_models_logits_in_float64(family, bias, monkeypatch):
     """The head run by ``CachedDecode.whole`` in chunks of sequences (here one sequence per chunk) scores what
-    the model's own logits score in float64; the last token is not fed."""
+    the model's own logits score in float64, with or without a bias on the head."""
     import sere_fx.evaluate as ev
 
     model = tiny_model(family, seed=6)
+    if bias:
+        old = model.get_output_embeddings()
+        head = nn.Linear(old.in_features, old.out_features, bias=True)
+        with torch.no_grad():
+            head.weight.copy_(old.weight)
+            head.bias.normal_(0, 1.0, generator=torch.Generator().manual_seed(8))
+        model.lm_head = head
     windows = torch.randint(3, 90, (5, 10), generator=torch.Generator().manual_seed(4))
     monkeypatch.setattr(ev, "SCORE_ELEMENTS", 1)
     with torch.no_grad():
