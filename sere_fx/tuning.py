@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sere_fx.config import OFF, OutputConfig, Quantile, RoutingConfig, SereConfig, WeightConfig, config, is_exact
+from sere_fx.config import OFF, OEAConfig, OutputConfig, Quantile, RoutingConfig, SereConfig, WeightConfig, config, is_exact
 from sere_fx.discovery import find_moe_layers
 from sere_fx.errors import ArgumentValueError
 from sere_fx.evaluate import DecodeScores, decode_scores
@@ -138,6 +138,34 @@ def _out_of_budget(base: DecodeScores, metric: str, budget: float):
     return stop
 
 
+def _nested(c: RoutingConfig):
+    """``(family, size)``: on one layer's input, the settings of a family read nested sets of experts, the
+    larger ``size`` the more (a superset): ``oea`` by S (its loaded set is the batch's top-S union), ``sere`` at
+    one S by rho (more experts fall below a higher threshold and stay critical), ``weight`` / ``output`` at one S
+    and importance threshold by the fraction ``N`` (one fill order, cut later). None: no such family."""
+    if type(c) is OEAConfig:
+        return ("oea",), c.S
+    if type(c) is SereConfig and isinstance(c.rho, float):
+        return ("sere", c.S), c.rho
+    if type(c) in (WeightConfig, OutputConfig) and isinstance(c.N, float) and c.rank_budget is None:
+        return (c.policy, c.S, c.min_importance), c.N
+    return None
+
+
+def _dominated(c: RoutingConfig, free: list[tuple[tuple, float, float]]) -> float | None:
+    """The experts ``c`` reads at least, where it reads a superset of a setting in ``free`` (``(family, size,
+    experts)`` of the layer's settings probed at no loss), else None. Such a pick costs the knapsack no less
+    loss and no fewer experts than the one it contains, so it need not be probed."""
+    nest = _nested(c)
+    bounds = [] if nest is None else [d for family, size, d in free if family == nest[0] and size <= nest[1]]
+    return max(bounds) if bounds else None
+
+
+# A uniform plan is not run when the probes of its settings already read this much more than the best plan
+# found (whole plans read within 0.6% of their probes' sum on the test-bed: bench/RESULTS.md).
+UNIFORM_MARGIN = 1.05
+
+
 @dataclass
 class Probe:
     layer: int
@@ -161,6 +189,7 @@ class TuneResult:
     offloaded: bool = False  # counts are experts fetched per token (an offloaded model's misses)
     passes: int = 0  # candidate passes run (the baseline passes not counted)
     stopped: int = 0  # of them, stopped early out of budget (``STOP_Z``)
+    skipped: int = 0  # candidate passes not run: they could not change the choice (``prune``)
 
     def summary(self) -> str:
         if self.max_experts is None:
@@ -170,6 +199,8 @@ class TuneResult:
         what = ("fetches/token/layer" if self.offloaded else "experts/layer" if self.placement is None
                 else f"busiest-rank experts/layer ({self.placement.describe()})")
         stopped = f"; {self.stopped} of {self.passes} passes stopped early, out of budget" if self.stopped else ""
+        if self.skipped:
+            stopped += f"; {self.skipped} passes skipped, unable to change the choice"
         lines = [f"tuned plan ({head}; {what} {self.distinct:.1f} vs {self.baseline_distinct:.1f}, "
                  f"{100 * (self.distinct / self.baseline_distinct - 1):+.1f}%{stopped}):"]
         for i, lp in sorted(self.plan.items()):
@@ -341,7 +372,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
          max_experts: float | None = None, metric: str = "nll", candidates=None, batch_size: int = 32,
          prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True,
          placement: Placement | None = None, probe_sequences: int | None = None, scorer=None,
-         pack: int = 1, early_stop: bool = True, margin: float = 0.0) -> TuneResult:
+         pack: int = 1, early_stop: bool = True, margin: float = 0.0, prune: bool = True) -> TuneResult:
     """Per-layer (policy, S, rho) for ``model`` on tuning ``windows``; see the module doc.
 
     Two budgets, give one: ``max_loss`` (default 0.02 when neither is given): the fewest experts
@@ -371,6 +402,11 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     dropped (a probe that alone loses more than the whole budget is no use to the knapsack); whole-plan
     checks always run to the end. The choice is the exhaustive search's unless a candidate swings back by
     more than that; it saves the passes' rest only where ``windows`` span several forwards.
+    ``prune`` (with ``max_loss``, not on an offloaded model): passes that cannot change the choice are not run.
+    A probe is skipped where a setting of its family (``_nested``: the same policy reading a subset of its
+    experts on the same input) was probed on that layer at no loss: the knapsack never needs the larger one.
+    Uniform plans run after the whole-plan search, and one whose probes already read ``UNIFORM_MARGIN`` times
+    the best plan's experts is skipped (a uniform plan is kept only when it reads fewer).
     ``scorer``: how a plan is scored (``ModelScorer`` on ``model`` by default; the vLLM engine's is
     ``sere_fx.vllm.evaluate.EngineScorer``, with ``model`` None): ``scorer(plan or None, windows)``
     gives ``DecodeScores``, ``scorer.layers`` the MoE layers.
@@ -410,7 +446,8 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     untouched = {layer.index: SereConfig(S=layer.top_k, rho=0.0) for layer in layers}  # S = K: identity
 
     stops = early_stop and max_experts is None and getattr(scorer, "stops_early", False)
-    count_passes = [0, 0]  # run, stopped early
+    pruning = prune and max_experts is None and not offloaded
+    count_passes = [0, 0, 0]  # run, stopped early, skipped
 
     def run(plan: dict[int, RoutingConfig], on: torch.Tensor = windows, against: DecodeScores | None = None):
         """``plan`` scored on ``on``; with ``against`` (the baseline on ``on``), None once out of budget."""
@@ -432,11 +469,25 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
                                layer.top_k, placement=placement, predictors=bool(sim.predictors))))
     uniform = _uniform_plans(jobs, layers)
     bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass", disable=not progress)
+    dropped = set()  # (layer, setting) stopped early: alone out of the whole budget
+    reads = {}  # (layer, setting) -> the layer's experts it reads (at least, where it was not probed)
+    free = {layer.index: [] for layer in layers}  # ``_dominated``'s settings: probed at no loss, by layer
     for index, lp in jobs:
-        s = run({**untouched, index: lp}, probe_windows, against=probe_base)
-        if s is not None:  # stopped: alone out of the whole budget
-            options[index].append(Probe(index, lp, _loss(probe_base, s, metric), count(s, index)))
         bar.update(1)
+        least = _dominated(lp, free[index]) if pruning else None
+        if least is not None:
+            reads[(index, lp)] = least
+            count_passes[2] += 1
+            continue
+        s = run({**untouched, index: lp}, probe_windows, against=probe_base)
+        if s is None:
+            dropped.add((index, lp))
+            continue
+        probe = Probe(index, lp, _loss(probe_base, s, metric), count(s, index))
+        options[index].append(probe)
+        reads[(index, lp)] = probe.distinct
+        if probe.loss <= 0 and _nested(lp) is not None:
+            free[index].append((*_nested(lp), probe.distinct))
     base_distinct = mean_count(base)
     # uniform plans (step 4), then the knapsack's plans with the budget searched (steps 2 and 3)
     target = None if max_experts is None else max_experts * base_distinct  # mean distinct per layer
@@ -462,18 +513,26 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
                 if sum(probed[(i, lp)] for i, lp in plan.items()) <= 1.05 * target * len(layers)]
         bar.total -= len(uniform) - len(fits)
         uniform = fits
-    for plan in uniform:
-        if stops and any(not any(p.plan == lp for p in options[i]) for i, lp in plan.items()):
-            bar.update(1)  # a layer's probe alone was out of the whole budget: the plan cannot be within it
-            continue
-        s = run(plan, against=base)
+    uniform_done = {}  # uniform plans run (or ruled out by a stopped probe): plan key -> scores or None
+
+    def run_uniform(plan):
+        nonlocal best
+        key = tuple(sorted(plan.items()))
         bar.update(1)
+        # a layer's probe alone was out of the whole budget: the plan cannot be within it
+        s = None if stops and any(item in dropped for item in plan.items()) else run(plan, against=base)
+        uniform_done[key] = s
         if s is None:
-            continue
-        tried[tuple(sorted(plan.items()))] = s
+            return
+        tried[key] = s
         loss = _loss(base, s, metric)
         if better(loss, s, best):
             best = (plan, loss, s)
+
+    uniform_plans = {tuple(sorted(plan.items())): plan for plan in uniform}
+    if not pruning:
+        for plan in uniform:
+            run_uniform(plan)
     best_uniform = best
     budget = max_loss if target is None else target * len(layers)
     rounds = 0
@@ -484,6 +543,8 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
             break
         plan = {i: p.plan for i, p in picks.items()}
         key = tuple(sorted(plan.items()))
+        if key in uniform_plans and key not in uniform_done:  # pruning: scored as the uniform plans are
+            run_uniform(plan)
         if key in tried:
             break  # the search settled on a plan already measured
         s = tried[key] = run(plan)
@@ -499,6 +560,15 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         else:
             # layers interact: scale the summed per-layer budget by how far the whole plan missed
             budget = budget * min(target / mean_count(s), 1.05) * (0.99 if mean_count(s) > target else 1.0)
+    for key, plan in uniform_plans.items():  # pruning: the uniform plans not run yet, after the search
+        if key in uniform_done:
+            continue
+        least = sum(reads[item] for item in plan.items() if item in reads) / len(plan)
+        if best is not None and least > UNIFORM_MARGIN * mean_count(best[2]):
+            bar.update(1)  # reads more than the best plan found: cannot be chosen
+            count_passes[2] += 1
+            continue
+        run_uniform(plan)
     bar.close()
     if best is None:
         smallest = min(mean_count(s) for s in tried.values()) if tried else base_distinct
@@ -514,7 +584,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     plan, loss, s = best
     return TuneResult(plan, loss, mean_count(s), base_distinct, metric, max_loss,
                       [p for ps in options.values() for p in ps], rounds, max_experts, placement, offloaded,
-                      count_passes[0], count_passes[1])
+                      count_passes[0], count_passes[1], count_passes[2])
 
 
 # --- plans that follow the load --------------------------------------------------------------

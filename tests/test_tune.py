@@ -11,6 +11,7 @@ import torch
 import sere_fx
 from sere_fx.discovery import find_moe_layers
 from sere_fx.evaluate import decode_scores
+from sere_fx.config import Quantile
 from sere_fx.plan import LayerPlan
 from sere_fx.tuning import Probe, _choose, default_candidates, tune
 from tiny_models import random_similarity, tiny_model
@@ -407,3 +408,75 @@ def test_a_margin_holds_the_plan_to_its_loss_plus_standard_errors(setup):
         with pytest.raises(sere_fx.ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
             tune(model, sim, windows, batch_size=6, prefill=2, candidates=cands, progress=False, **bad)
 
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_nested_settings_read_nested_experts(seed):
+    """``_nested``'s claim, on the op and policy functions tune runs: on one input, a setting of a family reads a
+    subset of the experts a larger one of the same family reads (OEA by S, SERE by rho at one S, ``weight`` /
+    ``output`` by N at one S)."""
+    from sere_fx.config import OEAConfig, OutputConfig, SereConfig, WeightConfig
+    from sere_fx.ops import reroute_aten
+    from sere_fx.policies import oea_select, weight_select
+    from sere_fx.tuning import _nested
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(24, 32, generator=g)
+    ids = scores.topk(8, dim=-1).indices
+    sim = torch.rand(32, 32, generator=g)
+    predictor = torch.rand(33, 32, generator=g)
+
+    def read(c):
+        if isinstance(c, OEAConfig):
+            return set(oea_select(scores, 8, c.S, float("-inf"))[1].flatten().tolist())
+        if isinstance(c, SereConfig):
+            return set(reroute_aten(ids, sim, c.S, c.rho).flatten().tolist())
+        pred = predictor if isinstance(c, OutputConfig) else None
+        return set(weight_select(scores, 8, c.S, float("-inf"), N=c.N, predictor=pred)[1].flatten().tolist())
+
+    families = [[OEAConfig(S=s) for s in (1, 2, 3, 4)],
+                [SereConfig(S=1, rho=r) for r in (0.0, 0.3, 0.6, 0.9)],
+                [SereConfig(S=2, rho=r) for r in (0.0, 0.9, 0.99)],
+                [WeightConfig(S=1, N=n) for n in (0.4, 0.5, 0.7)],
+                [OutputConfig(S=1, N=n) for n in (0.4, 0.45, 0.6, 0.8)]]
+    for family in families:
+        assert len({_nested(c)[0] for c in family}) == 1 and [_nested(c)[1] for c in family] == sorted(
+            _nested(c)[1] for c in family)
+        sets = [read(c) for c in family]
+        assert all(a <= b for a, b in zip(sets, sets[1:])), family
+        assert len(sets[0]) < len(sets[-1]), family  # the family's sizes differ on this input
+    assert _nested(SereConfig(S=1, rho=Quantile(0.5))) is None  # an unresolved rho: no order known
+
+
+def test_pruning_keeps_the_exhaustive_choice():
+    """Probes inside a family member probed at no loss, and uniform plans whose probes read more than the best
+    plan, are skipped (``prune``); the chosen plan and its loss are the exhaustive search's on a small grid of
+    budgets and metrics (the trained test-bed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sere_fx.calibration import read_documents, token_windows
+    from sere_fx.resources import testbed_model, testbed_text
+
+    model = AutoModelForCausalLM.from_pretrained(testbed_model(), dtype=torch.float32).eval()
+    windows = token_windows(AutoTokenizer.from_pretrained(testbed_model()), read_documents(testbed_text()), 11, 64,
+                            token_range=(0, 40000))
+    sim = random_similarity(find_moe_layers(model), seed=4)
+    cands = [("oea", 1, None), ("oea", 2, None), ("oea", 4, None), ("sere", 1, 0.0), ("sere", 1, Quantile(0.5)),
+             ("weight", 1, None, 0.5), ("weight", 1, None, 0.8)]
+    skipped = 0
+    for max_loss, metric in ((0.01, "accuracy"), (0.03, "nll")):
+        kw = dict(max_loss=max_loss, metric=metric, batch_size=16, prefill=2, candidates=cands, progress=False,
+                  verify_rounds=3, early_stop=False)
+        fast = tune(model, sim, windows, **kw)
+        full = tune(model, sim, windows, prune=False, **kw)
+        assert fast.plan == full.plan and fast.loss == full.loss and fast.distinct == full.distinct, (max_loss, metric)
+        assert full.skipped == 0 and fast.rounds == full.rounds and full.passes > fast.passes
+        # every probe left out has, on its layer, a probe at no loss that reads no more experts (measured)
+        kept = {(p.layer, p.plan): p for p in fast.probes}
+        for p in full.probes:
+            if (p.layer, p.plan) in kept:
+                assert kept[(p.layer, p.plan)].loss == p.loss
+            else:
+                assert any(q.layer == p.layer and q.loss <= 0 and q.distinct <= p.distinct for q in fast.probes), p
+        skipped += fast.skipped
+    assert skipped > 0
