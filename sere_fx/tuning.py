@@ -502,8 +502,23 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
             return bound(loss, s) <= max_loss and (than is None or mean_count(s) < mean_count(than[2]))
         return mean_count(s) <= target + 1e-9 and (than is None or (loss, mean_count(s)) < (than[1], mean_count(than[2])))
 
+    # Every plan measured, by its place in the exhaustive order (the untouched model, the uniform plans, then
+    # the search's rounds): the best is the first ``better`` one in that order whatever order they ran in, so
+    # uniform plans run after the search (``prune``) still win the ties they win when run first.
+    measured: list[tuple[int, tuple]] = []
+
+    def best_so_far():
+        found = None
+        for _, entry in sorted(measured, key=lambda m: m[0]):
+            if better(entry[1], entry[2], found):
+                found = entry
+        return found
+
+    def keep(rank: int, plan, loss: float, s: DecodeScores):
+        measured.append((rank, (plan, loss, s)))
+
     # the untouched model is always within a quality budget, never within an expert budget < 1
-    best = (untouched, 0.0, base) if better(0.0, base, None) else None
+    keep(-1, untouched, 0.0, base)
     tried = {}
     if target is not None:
         # A uniform plan whose probes already read more than the budget allows (summed over the
@@ -513,27 +528,23 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
                 if sum(probed[(i, lp)] for i, lp in plan.items()) <= 1.05 * target * len(layers)]
         bar.total -= len(uniform) - len(fits)
         uniform = fits
-    uniform_done = {}  # uniform plans run (or ruled out by a stopped probe): plan key -> scores or None
+    uniform_plans = {tuple(sorted(plan.items())): (rank, plan) for rank, plan in enumerate(uniform)}
+    uniform_done = set()  # keys of the uniform plans run, or ruled out by a stopped probe
 
-    def run_uniform(plan):
-        nonlocal best
-        key = tuple(sorted(plan.items()))
+    def run_uniform(key):
+        rank, plan = uniform_plans[key]
         bar.update(1)
+        uniform_done.add(key)
         # a layer's probe alone was out of the whole budget: the plan cannot be within it
         s = None if stops and any(item in dropped for item in plan.items()) else run(plan, against=base)
-        uniform_done[key] = s
-        if s is None:
-            return
-        tried[key] = s
-        loss = _loss(base, s, metric)
-        if better(loss, s, best):
-            best = (plan, loss, s)
+        if s is not None:
+            tried[key] = s
+            keep(rank, plan, _loss(base, s, metric), s)
 
-    uniform_plans = {tuple(sorted(plan.items())): plan for plan in uniform}
     if not pruning:
-        for plan in uniform:
-            run_uniform(plan)
-    best_uniform = best
+        for key in uniform_plans:
+            run_uniform(key)
+    best_uniform = best_so_far()
     budget = max_loss if target is None else target * len(layers)
     rounds = 0
     while rounds < verify_rounds:
@@ -544,13 +555,12 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         plan = {i: p.plan for i, p in picks.items()}
         key = tuple(sorted(plan.items()))
         if key in uniform_plans and key not in uniform_done:  # pruning: scored as the uniform plans are
-            run_uniform(plan)
+            run_uniform(key)
         if key in tried:
             break  # the search settled on a plan already measured
         s = tried[key] = run(plan)
         loss = _loss(base, s, metric)
-        if better(loss, s, best):
-            best = (plan, loss, s)
+        keep(len(uniform) + rounds, plan, loss, s)
         bar.update(1)
         if target is None:
             # secant step: the internal budget at which the whole plan would cost exactly max_loss
@@ -560,16 +570,18 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
         else:
             # layers interact: scale the summed per-layer budget by how far the whole plan missed
             budget = budget * min(target / mean_count(s), 1.05) * (0.99 if mean_count(s) > target else 1.0)
-    for key, plan in uniform_plans.items():  # pruning: the uniform plans not run yet, after the search
+    for key, (_, plan) in uniform_plans.items():  # pruning: the uniform plans not run yet, after the search
         if key in uniform_done:
             continue
         least = sum(reads[item] for item in plan.items() if item in reads) / len(plan)
+        best = best_so_far()
         if best is not None and least > UNIFORM_MARGIN * mean_count(best[2]):
             bar.update(1)  # reads more than the best plan found: cannot be chosen
             count_passes[2] += 1
             continue
-        run_uniform(plan)
+        run_uniform(key)
     bar.close()
+    best = best_so_far()
     if best is None:
         smallest = min(mean_count(s) for s in tried.values()) if tried else base_distinct
         raise ArgumentValueError("max_experts", f"max_experts: no plan of these candidates reads at most {max_experts:g} of the baseline's "

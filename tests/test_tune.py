@@ -464,12 +464,14 @@ def test_pruning_keeps_the_exhaustive_choice():
     cands = [("oea", 1, None), ("oea", 2, None), ("oea", 4, None), ("sere", 1, 0.0), ("sere", 1, Quantile(0.5)),
              ("weight", 1, None, 0.5), ("weight", 1, None, 0.8)]
     skipped = 0
-    for max_loss, metric in ((0.01, "accuracy"), (0.03, "nll")):
-        kw = dict(max_loss=max_loss, metric=metric, batch_size=16, prefill=2, candidates=cands, progress=False,
-                  verify_rounds=3, early_stop=False)
+    # batch 1: settings read whole numbers of experts (floor(N x 8)), where plans can tie (the next test makes one)
+    for max_loss, metric, batch in ((0.01, "accuracy", 16), (0.03, "nll", 16), (0.01, "accuracy", 1)):
+        kw = dict(max_loss=max_loss, metric=metric, batch_size=batch, pack=16 // batch, prefill=2, candidates=cands,
+                  progress=False, verify_rounds=3, early_stop=False)
         fast = tune(model, sim, windows, **kw)
         full = tune(model, sim, windows, prune=False, **kw)
-        assert fast.plan == full.plan and fast.loss == full.loss and fast.distinct == full.distinct, (max_loss, metric)
+        assert fast.plan == full.plan and fast.loss == full.loss and fast.distinct == full.distinct, (max_loss, metric,
+                                                                                                      batch)
         assert full.skipped == 0 and fast.rounds == full.rounds and full.passes > fast.passes
         # every probe left out has, on its layer, a probe at no loss that reads no more experts (measured)
         kept = {(p.layer, p.plan): p for p in fast.probes}
@@ -480,3 +482,40 @@ def test_pruning_keeps_the_exhaustive_choice():
                 assert any(q.layer == p.layer and q.loss <= 0 and q.distinct <= p.distinct for q in fast.probes), p
         skipped += fast.skipped
     assert skipped > 0
+
+
+def test_pruning_keeps_the_exhaustive_tie_break():
+    """Plans that read the same experts: the exhaustive search keeps the first in its order (uniform plans before
+    the search's rounds). With ``prune`` the uniform plans run after the search, and still win those ties."""
+    from sere_fx.config import LayerInfo, OEAConfig
+    from sere_fx.evaluate import DecodeScores
+
+    layers = [LayerInfo(i, f"model.layers.{i}.mlp.experts", 16, 8) for i in range(2)]
+    # probes (layer, S) -> (loss in nats per token, experts): oea S=1 on both layers sums over the budget
+    probes = {(0, 1): (0.003, 4.0), (0, 2): (0.001, 6.0), (1, 1): (0.008, 4.0), (1, 2): (0.001, 6.0)}
+
+    class Scorer:
+        def __init__(self):
+            self.layers = layers
+
+        def __call__(self, plan, windows, stop=None):
+            changed = {} if plan is None else {i: c.S for i, c in plan.items() if isinstance(c, OEAConfig)}
+            if not changed:
+                loss, distinct = 0.0, {0: 8.0, 1: 8.0}
+            elif len(changed) == 1:
+                (i, S), = changed.items()
+                loss, distinct = probes[(i, S)][0], {j: probes[(i, S)][1] if j == i else 8.0 for j in (0, 1)}
+            else:  # whole plans: every one within the budget at 4 experts a layer, a tie
+                loss, distinct = 0.005, {0: 4.0, 1: 4.0}
+            n = windows.shape[0]
+            return DecodeScores(np.full(n, 5), np.full(n, 10.0 * (1 + loss)), np.full(n, 10), distinct)
+
+    sim = random_similarity(layers)
+    kw = dict(max_loss=0.01, batch_size=2, candidates=[("oea", 1, None), ("oea", 2, None)], progress=False,
+              verify_rounds=3)
+    windows = torch.zeros(4, 6, dtype=torch.long)
+    full = tune(None, sim, windows, prune=False, scorer=Scorer(), **kw)
+    fast = tune(None, sim, windows, scorer=Scorer(), **kw)
+    uniform = {0: OEAConfig(S=1), 1: OEAConfig(S=1)}
+    assert full.plan == uniform and fast.plan == uniform  # not the search's mixed plan, measured at the same experts
+    assert fast.skipped > 0  # uniform oea S=2 (6 experts a layer by its probes) was not run
