@@ -359,6 +359,7 @@ def test_parallel_decode_runs_the_experts_in_chunks_with_the_same_scores(family,
 
     whole = experts.forward
     monkeypatch.setattr(experts, "forward", spy)
+    monkeypatch.setattr(ev, "grouped_mm_per_expert", lambda experts: None)  # the class forward, which the spy sees
     try:
         kw = dict(batch_size=4, prefill=2, progress=False, parallel=True)
         one = decode_scores(model, windows, **kw)
@@ -372,6 +373,86 @@ def test_parallel_decode_runs_the_experts_in_chunks_with_the_same_scores(family,
     assert np.array_equal(one.correct, chunked.correct)
     assert np.allclose(one.nll, chunked.nll, rtol=0, atol=1e-5)
     assert one.distinct == chunked.distinct
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3"])
+def test_grouped_mm_per_expert_is_grouped_mm_bit_for_bit(family):
+    """One expert at a time gives transformers' grouped_mm output exactly: single tokens, experts no token
+    picked, a token sent twice to one expert (re-routed slots), weights that do not sum to one."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from sere_fx.discovery import find_moe_blocks
+    from sere_fx.kernels.experts_cpu import grouped_mm_per_expert
+
+    model = tiny_model(family, seed=1, experts_implementation="grouped_mm")
+    experts = find_moe_blocks(model)[-1].experts
+    forward = grouped_mm_per_expert(experts)
+    assert forward is not None
+    g = torch.Generator().manual_seed(3)
+    E, H = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[-1]
+    k = 4 if E >= 16 else 2
+    for n in (1, 3, 37, 300):
+        hidden = torch.randn(n, H, generator=g)
+        index = torch.randint(0, E, (n, k), generator=g)
+        index[:, -1] = index[:, 0]  # one expert twice for every token
+        if n > 3:
+            index[index == 5] = 6  # expert 5 gets no rows
+        weight = torch.rand(n, k, generator=g)
+        with torch.no_grad():
+            assert torch.equal(forward(hidden, index, weight), grouped_mm_experts_forward(experts, hidden, index, weight)), n
+
+
+def test_grouped_mm_per_expert_applies_only_where_it_is_exact(monkeypatch):
+    """None for another implementation or layout; a slot marked "no expert" goes to transformers' forward;
+    a first call that differs from transformers' warns and hands every later call to it."""
+    import sere_fx.kernels.experts_cpu as kernel
+    from sere_fx.discovery import find_moe_blocks
+
+    assert kernel.grouped_mm_per_expert(find_moe_blocks(tiny_model("qwen3_moe"))[0].experts) is None  # eager
+    assert kernel.grouped_mm_per_expert(find_moe_blocks(tiny_model("gpt_oss", experts_implementation="grouped_mm"))[0]
+                                        .experts) is None  # biased experts
+    experts = find_moe_blocks(tiny_model("qwen3_moe", experts_implementation="grouped_mm"))[0].experts
+    hidden, weight = torch.randn(5, experts.gate_up_proj.shape[-1]), torch.rand(5, 4)
+    index = torch.randint(0, 16, (5, 4), generator=torch.Generator().manual_seed(0))
+    calls = []
+    original = type(experts).forward
+
+    def reference(self, *args):
+        calls.append(args[1].clone())
+        return original(self, *args) + 1  # a transformers that computes something else
+    monkeypatch.setattr(type(experts), "forward", reference)
+    monkeypatch.setattr(kernel, "_SAME_AS_GROUPED_MM", None)
+    forward = kernel.grouped_mm_per_expert(experts)
+    with torch.no_grad():
+        marked = index.clone()
+        marked[0, 0] = 16  # "no expert": not this path's to compute, and not a check of it
+        forward(hidden, marked, weight)  # (transformers leaves such a slot's row unset: no output to compare)
+        assert len(calls) == 1 and torch.equal(calls[0], marked) and kernel._SAME_AS_GROUPED_MM is None
+        with pytest.warns(UserWarning, match="grouped_mm_per_expert"):
+            out = forward(hidden, index, weight)
+        assert torch.equal(out, original(experts, hidden, index, weight) + 1)
+        assert kernel._SAME_AS_GROUPED_MM is False and len(calls) == 2
+        assert torch.equal(forward(hidden, index, weight), out) and len(calls) == 3
+    assert kernel.grouped_mm_per_expert(experts) is None
+
+
+def test_parallel_decode_scores_are_the_same_with_experts_one_at_a_time(monkeypatch):
+    """``decode_scores`` of a re-routed grouped_mm model: the same sums, to the bit, with and without
+    ``grouped_mm_per_expert``."""
+    import sere_fx.evaluate as ev
+
+    model = tiny_model("qwen3_moe", seed=2, experts_implementation="grouped_mm")
+    windows = torch.randint(3, 90, (8, 12), generator=torch.Generator().manual_seed(4))
+    sere_fx.transform(model, random_similarity(find_moe_layers(model), seed=1), sere_fx.SereConfig(S=1, rho=0.2))
+    try:
+        kw = dict(batch_size=4, prefill=2, progress=False, parallel=True)
+        fast = decode_scores(model, windows, **kw)
+        monkeypatch.setattr(ev, "grouped_mm_per_expert", lambda experts: None)
+        plain = decode_scores(model, windows, **kw)
+    finally:
+        sere_fx.restore(model)
+    assert np.array_equal(fast.nll, plain.nll) and np.array_equal(fast.correct, plain.correct)
+    assert fast.distinct == plain.distinct
 
 
 def _reference_scores(logits: torch.Tensor, targets: torch.Tensor):
