@@ -477,12 +477,13 @@ def test_whole_window_scores_match_the_models_logits_in_float64(family, bias, mo
             head.bias.normal_(0, 1.0, generator=torch.Generator().manual_seed(8))
         model.lm_head = head
     windows = torch.randint(3, 90, (5, 10), generator=torch.Generator().manual_seed(4))
-    monkeypatch.setattr(ev, "SCORE_ELEMENTS", 1)
     with torch.no_grad():
         ref = _reference_scores(model(windows[:, :-1]).logits[:, 3:], windows[:, 4:])
-        nll, correct = CachedDecode(model).whole(windows[:, :-1], windows[:, 4:])
-    np.testing.assert_allclose(nll.numpy(), ref[0], rtol=1e-5)
-    assert correct.tolist() == ref[1].tolist()
+        for elements in (1, ev.SCORE_ELEMENTS):  # one sequence per chunk; all five in one [rows, H] matmul
+            monkeypatch.setattr(ev, "SCORE_ELEMENTS", elements)
+            nll, correct = CachedDecode(model).whole(windows[:, :-1], windows[:, 4:])
+            np.testing.assert_allclose(nll.numpy(), ref[0], rtol=1e-5)
+            assert correct.tolist() == ref[1].tolist()
     assert type(model) not in ev._HEAD_CHANGED
 
 
