@@ -203,7 +203,7 @@ def experts_in_chunks(model: nn.Module, tokens: int | None = None):
     """On a CPU model, each experts module called with more than ``tokens`` rows (default ``EXPERT_TOKENS``)
     runs on equal chunks of at most that many (its hooks still see one call: ``ExpertCounter`` counts one),
     and transformers' ``grouped_mm`` experts run one expert at a time (``grouped_mm_per_expert``: the same
-    output bit for bit in a third less time on the test-bed)."""
+    output bit for bit; a test-bed decode pass at batch 32 in 21% less time)."""
     tokens = tokens or EXPERT_TOKENS
     device = next(model.parameters()).device
     blocks = find_moe_blocks(model) if device.type == "cpu" else []

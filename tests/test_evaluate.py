@@ -428,11 +428,13 @@ def test_grouped_mm_per_expert_applies_only_where_it_is_exact(monkeypatch):
         marked[0, 0] = 16  # "no expert": not this path's to compute, and not a check of it
         forward(hidden, marked, weight)  # (transformers leaves such a slot's row unset: no output to compare)
         assert len(calls) == 1 and torch.equal(calls[0], marked) and kernel._SAME_AS_GROUPED_MM is None
+        forward(hidden.double(), index, weight)  # inputs not in the weights' dtype: transformers casts them
+        assert len(calls) == 2 and kernel._SAME_AS_GROUPED_MM is None
         with pytest.warns(UserWarning, match="grouped_mm_per_expert"):
             out = forward(hidden, index, weight)
         assert torch.equal(out, original(experts, hidden, index, weight) + 1)
-        assert kernel._SAME_AS_GROUPED_MM is False and len(calls) == 2
-        assert torch.equal(forward(hidden, index, weight), out) and len(calls) == 3
+        assert kernel._SAME_AS_GROUPED_MM is False and len(calls) == 3
+        assert torch.equal(forward(hidden, index, weight), out) and len(calls) == 4
     assert kernel.grouped_mm_per_expert(experts) is None
 
 

@@ -110,10 +110,12 @@ def grouped_mm_per_expert(experts):
     """transformers' ``grouped_mm`` experts forward for ``experts``, computed one expert at a time: the same
     sort, per-expert matmuls, gate, weighting and per-token sum, so the same output bit for bit, but each
     expert's rows are gathered, multiplied and written back while they are in cache instead of streaming
-    every slot's ``[S, H]`` rows through memory four times (a third of a test-bed decode pass on a CPU).
-    The first call in a process is checked against transformers' own forward; if they differ, that one
-    is used from then on. None where the layout or the setting differs: another implementation, another
-    layout (``standard_layout``), expert parallel, or not on a CPU."""
+    every slot's ``[S, H]`` rows through memory four times (one test-bed experts call: 62 -> 35 ms; a
+    decode pass at batch 32: 2.26 -> 1.78 s, bench/RESULTS.md). The first call in a process is checked
+    against transformers' own forward; if they differ, that one is used from then on. None where the
+    layout or the setting differs: another implementation, another layout (``standard_layout``), expert
+    parallel, or not on a CPU; a call whose inputs are not in the weights' dtype (transformers casts them)
+    or that has a slot with no expert goes to transformers' forward."""
     config = getattr(experts, "config", None)
     if (getattr(config, "_experts_implementation", None) != "grouped_mm" or not standard_layout(experts)
             or getattr(experts, "_is_expert_parallel", False) or experts.gate_up_proj.device.type != "cpu"
@@ -125,7 +127,8 @@ def grouped_mm_per_expert(experts):
     def per_expert(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         n, k = top_k_index.shape
         ids, perm = torch.sort(top_k_index.reshape(-1))
-        if n == 0 or int(ids[0]) < 0 or int(ids[-1]) >= num_experts:  # a slot with no expert: transformers' way
+        if (n == 0 or int(ids[0]) < 0 or int(ids[-1]) >= num_experts  # a slot with no expert
+                or hidden_states.dtype != experts.gate_up_proj.dtype):  # transformers casts to the weights' dtype
             return None
         counts = torch.bincount(ids, minlength=num_experts).tolist()
         token, weight = perm // k, top_k_weights.reshape(-1).index_select(0, perm)
@@ -139,7 +142,7 @@ def grouped_mm_per_expert(experts):
                 y = torch.mm(h, experts.down_proj[e].T).mul_(weight[rows].unsqueeze(-1))
                 out.index_copy_(0, perm[rows], y)  # each slot back at its (token, k) place
                 start += c
-        return out.view(n, k, -1).sum(dim=1).to(hidden_states.dtype)
+        return out.view(n, k, -1).sum(dim=1)
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         global _SAME_AS_GROUPED_MM
