@@ -18,15 +18,7 @@ else:
 
 from vllm_models import TESTBED_MODEL, TESTBED_TEXT  # noqa: E402
 import doc_pages  # noqa: E402
-from vllm_engines import ENV, run_engine, testbed_sim, workdir  # noqa: E402,F401
-
-
-def test_tensor_parallel_ranks_route_alike(workdir, testbed_sim):
-    # routing_stats raises when the ranks' counters differ
-    out = run_engine(workdir, "tp2", tp=2, max_tokens=8, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, multiprocess=True,
-                     sere={"sim": testbed_sim, "S": 2, "rho": 0.0, "stats": True})
-    for layer in out["stats"].values():
-        assert layer["distinct_after"] < 0.7 * layer["distinct_before"]
+from vllm_engines import ENV, testbed_sim, workdir  # noqa: E402,F401
 
 
 def similarity_agreement(a, b) -> dict:
@@ -103,7 +95,9 @@ def test_calibration_inside_the_engine_matches_the_transformers_path(workdir, ca
 def test_tune_and_eval_inside_the_engine_at_tp2_agree_with_the_transformers_path(workdir, testbed_sim):
     """``tune --engine vllm`` and ``eval --engine vllm`` at TP=2: the plan meets its expert budget
     on held-out text, and the engine's figures are the transformers ``eval``'s on the same windows
-    (fp32: the same outputs up to summation order, so the same top-1 decisions and NLL to 1e-3)."""
+    (fp32: the same outputs up to summation order, so the same top-1 decisions and NLL to 1e-3).
+    The ranks' routing is compared too: the engine path reads every policy's experts through
+    ``routing_stats``, which raises when a tensor-parallel rank's counters differ from rank 0's."""
     from sere_fx.cli import main
 
     env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -131,6 +125,8 @@ def test_tune_and_eval_inside_the_engine_at_tp2_agree_with_the_transformers_path
         assert a["label"] == b["label"]
         assert abs(a["accuracy"] - b["accuracy"]) <= 2 / tokens and abs(a["nll"] - b["nll"]) < 1e-3, (a, b)
         assert abs(a["distinct"] - b["distinct"]) < 0.5, (a["label"], a["distinct"], b["distinct"])
+    by_label = {r["label"]: r for r in engine["results"]}
+    assert by_label["sere:S=2,rho=0"]["distinct"] < 0.7 * by_label["baseline"]["distinct"], by_label
     base, planned = engine["results"][0], engine["results"][-1]
     # the budget on held-out text: half the baseline's experts per layer per decode step
     assert planned["distinct"] <= 0.5 * base["distinct"], (planned["distinct"], base["distinct"])

@@ -192,14 +192,13 @@ def test_a_request_value_that_is_not_true_or_false_is_refused(readme_server):
 
 
 def server_failure(argv, env=ENV):
-    """``(exit status, stderr lines, seconds)`` of a server that must refuse to start."""
-    start = time.time()
+    """``(exit status, stderr lines)`` of a server that must refuse to start."""
     proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv], capture_output=True,
                           text=True, timeout=300, env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    return proc.returncode, proc.stderr.strip().splitlines(), time.time() - start
+    return proc.returncode, proc.stderr.strip().splitlines()
 
 
-def test_server_mistakes_end_on_one_line_as_fast_as_vllms_own(workdir, testbed_sim):
+def test_server_mistakes_end_on_one_line_before_any_worker_loads_the_model(workdir, testbed_sim):
     from sere_fx import Similarity
 
     small = workdir / "small.sim.safetensors"  # 32 experts for a 64-expert model
@@ -210,14 +209,10 @@ def test_server_mistakes_end_on_one_line_as_fast_as_vllms_own(workdir, testbed_s
               """additional_config["sere"]["S"]: expected an integer in [1, 8] (top-k of model.layers.0.mlp.experts), got 99"""),
              ({"sim": str(small), "S": 2},
               """additional_config["sere"]["sim"]: sim[0]: expected shape [64, 64] (experts of model.layers.0.mlp.experts), got [32, 32]""")]
-    # vLLM's own refusal of a bad argument, for the time it takes to get that far
-    _, _, plain_seconds = server_failure(["--model", TESTBED_MODEL, "--max-model-len", "100000"])
     for settings, message in cases:
-        rc, lines, seconds = server_failure(["--model", TESTBED_MODEL, "--additional-config",
-                                             json.dumps({"sere": settings})])
+        rc, lines = server_failure(["--model", TESTBED_MODEL, "--additional-config",
+                                    json.dumps({"sere": settings})])
         assert rc == 2 and lines[-1].startswith(f"api_server.py: error: {message}"), lines[-30:]
         assert not any(line.startswith("Traceback") for line in lines), lines
-        # refused before any worker loads the model, so about as fast as vLLM's own refusal (the
-        # margin allows for a loaded machine: the suite may run beside other tests)
+        # refused in the API server's own process, before any engine or worker loads the model
         assert not any("Loading safetensors" in line or "Loading weights" in line for line in lines), lines[-30:]
-        assert seconds < 1.5 * plain_seconds + 5, (seconds, plain_seconds)

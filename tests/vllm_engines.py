@@ -1,4 +1,5 @@
-"""What the vLLM engine tests share: one engine per process (``vllm_driver.py``), the test-bed's
+"""What the vLLM engine tests share: one engine per process (``vllm_driver.py``, forked from one
+process per pytest worker that has imported vLLM), the test-bed's
 similarity, the documentation's blocks. Every engine runs in a process of its own, so the engine
 test modules (``test_vllm_engine``, ``test_vllm_server``, ``test_vllm_pipeline``) run in parallel
 under pytest-xdist (one module per worker, ``--dist loadscope``)."""
@@ -7,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,25 +35,66 @@ PROMPTS = [f"def {name}(self, value):\n    " + "x = value\n    " * (i % 4) + "re
                                      "keys", "items", "split", "join", "find", "copy", "sort", "next", "wait", "stop",
                                      "feed", "push", "pop", "seek"])]
 
-def run_engine(tmp_path, name, model=TESTBED_MODEL, sere=None, expect_failure=False, multiprocess=False,
-               allow_failure=False, **spec):
-    """One engine in its own process. ``multiprocess=False`` runs engine core and worker inside it
-    (~15 s less start-up); the tensor-parallel test and the README examples keep vLLM's own processes."""
-    env = {**ENV, **spec.pop("env", {})}
-    if not multiprocess:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        spec["executor"] = "uni"
-    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
+# Every engine of these tests runs in a process of its own with engine core and worker inside it
+# (~15 s less start-up than vLLM's own processes; tensor-parallel engines: test_vllm_pipeline's CLI runs).
+ENGINE_ENV = {**ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class _ForkServer:
+    """``vllm_driver.py --fork-server``: one per pytest worker, started on first use. Each engine is a
+    child forked from a process that has imported vLLM, which saves the ~15 s import of every engine
+    start on a 2-core machine; a server that refuses to fork (``vllm_driver.serve``) is replaced by a
+    fresh process per engine, and the test says so."""
+
+    proc = None
+    refused = None
+
+    @classmethod
+    def run(cls, spec_path, out_path, log_path, timeout: float) -> int | None:
+        """The child's exit status, or None where engines start as fresh processes."""
+        if cls.refused is not None:
+            return None
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "vllm_driver.py"), "--fork-server"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        text=True, env=ENGINE_ENV)
+            hello = json.loads(cls.proc.stdout.readline() or '{"refused": "the fork server exited"}')
+            if "refused" in hello:
+                cls.refused = hello["refused"]
+                print(f"vllm_engines: {cls.refused}; every engine starts as a fresh process")
+                return None
+        cls.proc.stdin.write(json.dumps([str(spec_path), str(out_path), str(log_path)]) + "\n")
+        cls.proc.stdin.flush()
+        pid = json.loads(cls.proc.stdout.readline())["pid"]
+        killer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        try:
+            rc = json.loads(cls.proc.stdout.readline())["rc"]
+        finally:
+            killer.cancel()
+        assert rc != -signal.SIGKILL, f"engine {spec_path} ran past {timeout} s"
+        return rc
+
+
+def run_engine(tmp_path, name, model=TESTBED_MODEL, sere=None, expect_failure=False, allow_failure=False, **spec):
+    """One engine in its own process, forked from ``_ForkServer``; ``expect_failure`` runs a fresh
+    ``python vllm_driver.py``, so that what it prints is exactly what a user's script prints."""
+    spec_path, out_path, log_path = (tmp_path / f"{name}.{kind}" for kind in ("spec.json", "out.json", "log"))
     spec_path.write_text(json.dumps({"model": model, "sere": sere, "prompts": PROMPTS, **spec}))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_driver.py"), str(spec_path), str(out_path)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    rc = None if expect_failure else _ForkServer.run(spec_path, out_path, log_path, timeout=600)
+    if rc is None:
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_driver.py"), str(spec_path), str(out_path)],
+                              capture_output=True, text=True, timeout=600, env=ENGINE_ENV)
+        rc, log = proc.returncode, proc.stdout + proc.stderr
+    else:
+        log = log_path.read_text()
     if expect_failure:
-        assert proc.returncode != 0, "the engine started although the settings are wrong"
-        return proc.stdout + proc.stderr
-    if allow_failure and proc.returncode != 0:
-        return {"failed": True, "log": proc.stdout + proc.stderr}
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-6000:]}"
-    return {**json.loads(out_path.read_text()), "log": proc.stdout + proc.stderr}
+        assert rc != 0, "the engine started although the settings are wrong"
+        return log
+    if allow_failure and rc != 0:
+        return {"failed": True, "log": log}
+    assert rc == 0, f"engine {name} failed:\n{log[-6000:]}"
+    return {**json.loads(out_path.read_text()), "log": log}
 
 
 @pytest.fixture(scope="module")
