@@ -242,13 +242,15 @@ _HEAD_CHANGED: set[type] = set()
 SCORE_ELEMENTS = 1 << 21
 
 
-def next_token_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_scores(logits: torch.Tensor, targets: torch.Tensor, nll: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence summed NLL (float64) and correct top-1 counts of ``logits [B, T, V]`` against ``targets
-    [B, T]``: NLL is ``logsumexp - target logit`` in float32, top-1 the argmax."""
-    return _scores_in_chunks(lambda i, j: logits[i:j], targets, logits.shape[-1])
+    [B, T]``: NLL is ``logsumexp - target logit`` in float32, top-1 the argmax. ``nll=False``: top-1 only,
+    the NLL NaN (the ``logsumexp`` over the vocabulary, a third of the scoring, is not computed)."""
+    return _scores_in_chunks(lambda i, j: logits[i:j], targets, logits.shape[-1], nll)
 
 
-def _head_scores(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _head_scores(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor,
+                 nll: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``next_token_scores`` of ``head(hidden)``, the head run one chunk of sequences at a time (its weight
     transposed once: a contiguous ``[H, V]`` right operand multiplies faster on a CPU) as one ``[rows, H]``
     matmul: ``hidden`` is a slice of the model's last hidden states, which ``@`` would multiply sequence by
@@ -261,18 +263,19 @@ def _head_scores(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -
         out = rows @ weight if head.bias is None else torch.addmm(head.bias, rows, weight)
         return out.view(*h.shape[:-1], -1)
 
-    return _scores_in_chunks(logits, targets, head.out_features)
+    return _scores_in_chunks(logits, targets, head.out_features, nll)
 
 
-def _scores_in_chunks(logits_of, targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _scores_in_chunks(logits_of, targets: torch.Tensor, vocab: int, nll_too: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``next_token_scores`` a few sequences at a time: ``logits_of(i, j)`` gives sequences ``i:j``'s
     logits, scored while they are in cache (``SCORE_ELEMENTS`` per chunk)."""
-    nll = torch.zeros(targets.shape[0], dtype=torch.float64, device=targets.device)
+    nll = torch.full((targets.shape[0],), 0.0 if nll_too else math.nan, dtype=torch.float64, device=targets.device)
     correct = torch.zeros(targets.shape[0], dtype=torch.int64, device=targets.device)
     step = max(1, SCORE_ELEMENTS // (targets.shape[1] * vocab))
     for i in range(0, targets.shape[0], step):
         logits, target = logits_of(i, i + step).float(), targets[i : i + step]
-        nll[i : i + step] = (torch.logsumexp(logits, -1) - logits.gather(-1, target[..., None]).squeeze(-1)).double().sum(-1)
+        if nll_too:
+            nll[i : i + step] = (torch.logsumexp(logits, -1) - logits.gather(-1, target[..., None]).squeeze(-1)).double().sum(-1)
         correct[i : i + step] = (logits.argmax(-1) == target).sum(-1)
     return nll, correct
 
@@ -305,17 +308,17 @@ class CachedDecode:
             self._out = self.model(input_ids=tokens, use_cache=True)
         return self._out.logits[:, -1]
 
-    def whole(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def whole(self, tokens: torch.Tensor, targets: torch.Tensor, nll: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of ``tokens [B, L]`` with no cache, its last ``T`` positions scored against ``targets
         [B, T]`` (``next_token_scores``): per-sequence summed NLL and correct top-1 counts. Where the model
         returns its output embedding's result unchanged, the head runs here, a few sequences at a time
         with each chunk scored while it is in cache (``_head_scores``: the ``[B, T, V]`` logits
-        never exist whole); otherwise on the model's own logits."""
+        never exist whole); otherwise on the model's own logits. ``nll=False``: top-1 only (NLL NaN)."""
         keep = targets.shape[1]
         kw = {"logits_to_keep": keep} if self._keeps else {}
         head = _plain_head(self.model)
         if head is None:
-            return next_token_scores(self.model(input_ids=tokens, use_cache=False, **kw).logits[:, -keep:], targets)
+            return next_token_scores(self.model(input_ids=tokens, use_cache=False, **kw).logits[:, -keep:], targets, nll)
         seen = []
 
         def capture(hidden):  # the head's input, and a placeholder the size of its output (no memory)
@@ -329,9 +332,9 @@ class CachedDecode:
         finally:
             del head.forward
         if len(seen) == 2 and out.logits is seen[1]:
-            return _head_scores(head, seen[0][:, -keep:], targets)
+            return _head_scores(head, seen[0][:, -keep:], targets, nll)
         _HEAD_CHANGED.add(type(self.model))  # the model changes its head's output: its own logits from now on
-        return self.whole(tokens, targets)
+        return self.whole(tokens, targets, nll)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens [B, 1]``; returns the next-token logits ``[B, V]``."""
@@ -409,7 +412,7 @@ def check_decode_args(windows: torch.Tensor, batch_size: int, prefill: int, afte
 @torch.no_grad()
 def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 32, prefill: int = 4,
                   progress: bool = True, desc: str = "decode", placement: Placement | None = None,
-                  pack: int = 1, parallel: bool = False, stop=None) -> DecodeScores | None:
+                  pack: int = 1, parallel: bool = False, stop=None, nll: bool = True) -> DecodeScores | None:
     """Teacher-forced batched decode over ``windows [N, L]``; scores the L - prefill - 1 decode steps.
     ``placement``: also count, per decode step, the most loaded EP rank's experts and token-slots.
     ``pack``: decode ``pack`` batches of ``batch_size`` in one forward, each routed as its own batch
@@ -422,7 +425,9 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     over the whole window instead of a cache), in one forward instead of L - prefill; what ``tune`` uses.
     ``stop``: called after each forward's sequences with ``(correct, nll, done)`` (the per-sequence sums
     of the first ``done`` sequences); when it returns True the pass ends there and returns None (``tune``
-    stops a candidate whose loss is already out of budget)."""
+    stops a candidate whose loss is already out of budget).
+    ``nll=False``: top-1 counts only, every sequence's NLL NaN (``tune --metric accuracy`` reads no NLL: the
+    vocabulary's ``logsumexp`` at every scored position is skipped)."""
     n, length = windows.shape
     check_decode_args(windows, batch_size, prefill)
     if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
@@ -446,14 +451,14 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     device = next(model.parameters()).device
     decoder = CachedDecode(model)
     correct = np.zeros(n, dtype=np.int64)
-    nll = np.zeros(n, dtype=np.float64)
+    nlls = np.zeros(n, dtype=np.float64)
     steps = 1 if parallel else length - prefill - 1
     bar = tqdm(total=math.ceil(n / batch_size) * steps, desc=desc, unit="forward" if parallel else "step",
                leave=False, disable=not progress)
 
     def score(start: int, scores: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Add one batch's per-sequence (NLL, correct) to the sums of the sequences from ``start``."""
-        nll[start : start + scores[0].shape[0]] += scores[0].cpu().numpy()
+        nlls[start : start + scores[0].shape[0]] += scores[0].cpu().numpy()
         correct[start : start + scores[1].shape[0]] += scores[1].cpu().numpy()
 
     try:
@@ -462,7 +467,7 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
             if parallel:
                 counter.decoding = True
                 with groups, experts_in_chunks(model):  # the last token is only a target: not fed
-                    score(start, decoder.whole(batch[:, :-1], batch[:, prefill + 1:]))
+                    score(start, decoder.whole(batch[:, :-1], batch[:, prefill + 1:], nll))
                 bar.update(1)
             else:
                 counter.decoding = False
@@ -472,10 +477,10 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
                 for t in range(prefill, length - 1):
                     with groups:  # one row per sequence: with pack, each run of batch-size rows is a batch
                         logits = decoder.step(batch[:, t : t + 1])
-                    score(start, next_token_scores(logits[:, None], batch[:, t + 1 : t + 2]))
+                    score(start, next_token_scores(logits[:, None], batch[:, t + 1 : t + 2], nll))
                     bar.update(1)
             done = start + batch.shape[0]
-            if stop is not None and done < n and stop(correct[:done], nll[:done], done):
+            if stop is not None and done < n and stop(correct[:done], nlls[:done], done):
                 return None
     finally:
         counter.remove()
@@ -483,8 +488,8 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     tokens = np.full(n, length - prefill - 1, dtype=np.int64)
     cache = {i: c.counters.as_dict() for i, c in caches.items()} or None
     if placement is None:
-        return DecodeScores(correct, nll, tokens, counter.distinct(), cache=cache)
-    return DecodeScores(correct, nll, tokens, counter.distinct(), *counter.per_rank(), cache=cache)
+        return DecodeScores(correct, nlls, tokens, counter.distinct(), cache=cache)
+    return DecodeScores(correct, nlls, tokens, counter.distinct(), *counter.per_rank(), cache=cache)
 
 
 def paired_bootstrap(base: DecodeScores, other: DecodeScores, resamples: int = 2000, seed: int = 0) -> dict:

@@ -273,16 +273,17 @@ class ModelScorer:
     scores up to float rounding, several times faster); an offloaded model's caches decode step by step.
     A baseline pass records the MoE decoder layers' inputs (``sere_fx.prefix``): a later plan on the same
     windows that routes its first layers as the model does starts its forwards at the first layer it changes
-    (``reuse_prefix``; a probe of the last of four layers runs one layer's worth)."""
+    (``reuse_prefix``; a probe of the last of four layers runs one layer's worth). ``nll=False``: top-1 counts
+    only, the NLL NaN (``decode_scores``: what ``tune`` scores with ``metric="accuracy"``)."""
 
     def __init__(self, model: nn.Module, sim, *, batch_size: int, prefill: int, max_tokens: int | None,
-                 placement: Placement | None, pack: int = 1, reuse_prefix: bool = True):
+                 placement: Placement | None, pack: int = 1, reuse_prefix: bool = True, nll: bool = True):
         self.model, self.sim, self.max_tokens = model, sim, max_tokens
         self.layers = find_moe_layers(model)
         self._top_k = {layer.index: layer.top_k for layer in self.layers}
         parallel = not is_offloaded(model)
         self.kw = dict(batch_size=batch_size, prefill=prefill, progress=False, placement=placement, pack=pack,
-                       parallel=parallel)
+                       parallel=parallel, nll=nll)
         self.reuse_prefix = reuse_prefix and parallel
         self._recorded: list[tuple[torch.Tensor, PrefixRecord, DecodeScores]] = []  # per baseline's windows
 
@@ -425,7 +426,7 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     sim = as_similarity(sim)
     if scorer is None:
         scorer = ModelScorer(model, sim, batch_size=batch_size, prefill=prefill, max_tokens=max_tokens,
-                             placement=placement, pack=pack)
+                             placement=placement, pack=pack, nll=metric == "nll")  # accuracy reads top-1 only
     layers = scorer.layers
     check_layers(placement, layers)
     matrices = resolve(sim, layers)

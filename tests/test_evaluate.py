@@ -332,6 +332,9 @@ def test_parallel_decode_scores_equal_step_by_step(placement):
                 assert np.array_equal(step.correct, whole.correct), (config, batch)
                 assert np.allclose(step.nll, whole.nll, rtol=0, atol=1e-4)
                 assert step.distinct == whole.distinct, (config, batch, pack)
+                for top1 in (decode_scores(model, windows, nll=False, **kw),  # top-1 only: the same counts
+                             decode_scores(model, windows, parallel=True, nll=False, **kw)):
+                    assert np.isnan(top1.nll).all() and np.array_equal(top1.correct, step.correct)
                 if placement is not None:
                     assert (step.rank_distinct, step.rank_slots) == (whole.rank_distinct, whole.rank_slots)
         finally:
@@ -486,6 +489,8 @@ def test_whole_window_scores_match_the_models_logits_in_float64(family, bias, mo
             nll, correct = CachedDecode(model).whole(windows[:, :-1], windows[:, 4:])
             np.testing.assert_allclose(nll.numpy(), ref[0], rtol=1e-5)
             assert correct.tolist() == ref[1].tolist()
+            nll, correct = CachedDecode(model).whole(windows[:, :-1], windows[:, 4:], nll=False)  # top-1 only
+            assert torch.isnan(nll).all() and correct.tolist() == ref[1].tolist()
     assert type(model) not in ev._HEAD_CHANGED
 
 
