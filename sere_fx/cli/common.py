@@ -204,10 +204,6 @@ def _load_model(args):
 
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     where = {} if device == "cpu" and device_map is None else {"device_map": device_map or device}
-    if not where:  # the model runs on the CPU in this process: its activations' memory is reused, not refaulted
-        from sere_fx.host_memory import keep_freed_memory
-
-        keep_freed_memory()
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **where).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model)
