@@ -245,7 +245,8 @@ SCORE_ELEMENTS = 1 << 21
 def next_token_scores(logits: torch.Tensor, targets: torch.Tensor, nll: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence summed NLL (float64) and correct top-1 counts of ``logits [B, T, V]`` against ``targets
     [B, T]``: NLL is ``logsumexp - target logit`` in float32, top-1 the argmax. ``nll=False``: top-1 only,
-    the NLL NaN (the ``logsumexp`` over the vocabulary, a third of the scoring, is not computed)."""
+    the NLL NaN (the ``logsumexp`` over the vocabulary is not computed: 0.25 -> 0.21 s of the head and
+    scoring of a test-bed pass, bench/RESULTS.md)."""
     return _scores_in_chunks(lambda i, j: logits[i:j], targets, logits.shape[-1], nll)
 
 
@@ -266,18 +267,18 @@ def _head_scores(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor,
     return _scores_in_chunks(logits, targets, head.out_features, nll)
 
 
-def _scores_in_chunks(logits_of, targets: torch.Tensor, vocab: int, nll_too: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _scores_in_chunks(logits_of, targets: torch.Tensor, vocab: int, nll: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``next_token_scores`` a few sequences at a time: ``logits_of(i, j)`` gives sequences ``i:j``'s
     logits, scored while they are in cache (``SCORE_ELEMENTS`` per chunk)."""
-    nll = torch.full((targets.shape[0],), 0.0 if nll_too else math.nan, dtype=torch.float64, device=targets.device)
+    nlls = torch.full((targets.shape[0],), 0.0 if nll else math.nan, dtype=torch.float64, device=targets.device)
     correct = torch.zeros(targets.shape[0], dtype=torch.int64, device=targets.device)
     step = max(1, SCORE_ELEMENTS // (targets.shape[1] * vocab))
     for i in range(0, targets.shape[0], step):
         logits, target = logits_of(i, i + step).float(), targets[i : i + step]
-        if nll_too:
-            nll[i : i + step] = (torch.logsumexp(logits, -1) - logits.gather(-1, target[..., None]).squeeze(-1)).double().sum(-1)
+        if nll:
+            nlls[i : i + step] = (torch.logsumexp(logits, -1) - logits.gather(-1, target[..., None]).squeeze(-1)).double().sum(-1)
         correct[i : i + step] = (logits.argmax(-1) == target).sum(-1)
-    return nll, correct
+    return nlls, correct
 
 
 def _plain_head(model: nn.Module) -> nn.Linear | None:
@@ -432,6 +433,8 @@ def decode_scores(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 
     check_decode_args(windows, batch_size, prefill)
     if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
         raise ArgumentValueError("pack", f"pack: expected a positive int, got {pack!r}")
+    if not isinstance(nll, bool):
+        raise ArgumentValueError("nll", f"nll: expected True or False, got {nll!r}")
     caches = offloaded_layers(model)
     # an offloaded model's caches serve one batch at a time, in step order
     if caches and pack > 1:

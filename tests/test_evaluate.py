@@ -342,6 +342,13 @@ def test_parallel_decode_scores_equal_step_by_step(placement):
                 sere_fx.restore(model)
 
 
+def test_decode_scores_names_a_bad_nll_switch():
+    model = tiny_model("qwen3_moe")
+    windows = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"^nll: expected True or False, got 'no'$"):
+        decode_scores(model, windows, batch_size=2, prefill=2, progress=False, nll="no")
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_parallel_decode_runs_the_experts_in_chunks_with_the_same_scores(family, monkeypatch):
     """The whole-window forward's experts run on at most ``EXPERT_TOKENS`` rows at a time: the same
