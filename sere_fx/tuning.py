@@ -273,7 +273,8 @@ class ModelScorer:
     scores up to float rounding, several times faster); an offloaded model's caches decode step by step.
     A baseline pass records the MoE decoder layers' inputs (``sere_fx.prefix``): a later plan on the same
     windows that routes its first layers as the model does starts its forwards at the first layer it changes
-    (``reuse_prefix``; a probe of the last of four layers runs one layer's worth). ``nll=False``: top-1 counts
+    (``reuse_prefix``; a probe of the last of four layers runs one layer's experts and the head: that
+    layer's attention output is the baseline's, recorded too). ``nll=False``: top-1 counts
     only, the NLL NaN (``decode_scores``: what ``tune`` scores with ``metric="accuracy"``)."""
 
     def __init__(self, model: nn.Module, sim, *, batch_size: int, prefill: int, max_tokens: int | None,

@@ -264,7 +264,7 @@ def test_routing_batches_together_equals_one_call_per_batch():
     each batch on its own gives (the one-by-one path, ``batched=False``), the op's batching rule
     included (rank values, valid and free rows)."""
     from sere_fx import policies
-    from sere_fx.ops import reroute_kernel
+    from sere_fx.ops import reroute_aten, reroute_kernel
 
     g = torch.Generator().manual_seed(0)
     e, k = 16, 4
@@ -299,14 +299,22 @@ def test_routing_batches_together_equals_one_call_per_batch():
             together = policies._route_groups((ids, values), reroute, lambda r, v: (r.clone(),), True)
             alone = policies._route_groups((ids, values), reroute, lambda r, v: (r.clone(),), False)
             assert torch.equal(together[0], alone[0]) and not torch.equal(together[0], ids)
-    # the op's batching rule with every optional argument, against one op call per batch
-    batched = ids.view(5, 6, k)
+    # the op's batching rule with every optional argument (on the CPU: the C kernel over all batches in one
+    # call), against one op call per batch and the op's PyTorch implementation per batch
     valid = torch.rand(5, 6, generator=g) > 0.3
     free = torch.rand(5, 6, generator=g) > 0.7
-    out = torch.vmap(lambda i, v, a, f: torch.ops.sere.reroute(i, sim, 2, 0.3, v, a, f))(batched, values.view(5, 6, k),
-                                                                                      valid, free)
+    for dtype in (torch.int64, torch.int32):
+        batched = ids.view(5, 6, k).to(dtype)
+        out = torch.vmap(lambda i, v, a, f: torch.ops.sere.reroute(i, sim, 2, 0.3, v, a, f))(batched, values.view(5, 6, k),
+                                                                                          valid, free)
+        assert out.dtype == dtype and not torch.equal(out, batched)
+        for b in range(5):
+            args = (batched[b], sim, 2, 0.3, values.view(5, 6, k)[b], valid[b], free[b])
+            assert torch.equal(out[b], reroute_kernel(*args)) and torch.equal(out[b], reroute_aten(*args))
+    # optional tensors shared by every batch (not batched) take the one-call-per-batch path: the same rule
+    shared = torch.vmap(lambda i: torch.ops.sere.reroute(i, sim, 1, 0.0, None, valid[0]))(ids.view(5, 6, k))
     for b in range(5):
-        assert torch.equal(out[b], reroute_kernel(batched[b], sim, 2, 0.3, values.view(5, 6, k)[b], valid[b], free[b]))
+        assert torch.equal(shared[b], reroute_aten(ids.view(5, 6, k)[b], sim, 1, 0.0, None, valid[0]))
 
 
 @pytest.mark.parametrize("placement", [None, sere_fx.Placement(4)])

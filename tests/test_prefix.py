@@ -1,5 +1,7 @@
 """Prefix reuse in ``tune``'s scorer: a plan that routes its first layers as the model does scores the
-same with its forwards started at the first layer it changes, and those earlier layers do not run."""
+same with its forwards started at the first layer it changes, those earlier layers do not run, and the
+first layer run hands on the baseline's attention output instead of computing it (where the attention
+returns no weights)."""
 
 import numpy as np
 import pytest
@@ -41,7 +43,7 @@ def test_a_probe_scores_as_the_whole_forward_and_skips_the_layers_before(family)
             plan = {i.index: SereConfig(S=i.top_k, rho=0.0) for i in layers}
             plan[layer.index] = config("sere", 1, 0.0)
             calls = [0] * len(stack)
-            hooks = [stack[p].self_attn.register_forward_hook(lambda *a, p=p: calls.__setitem__(p, calls[p] + 1))
+            hooks = [stack[p].self_attn.o_proj.register_forward_hook(lambda *a, p=p: calls.__setitem__(p, calls[p] + 1))
                      for p in range(len(stack))]
             try:
                 got = reused(plan, windows)
@@ -50,7 +52,11 @@ def test_a_probe_scores_as_the_whole_forward_and_skips_the_layers_before(family)
                     h.remove()
             _same(whole(plan, windows), got)
             forwards = 2  # 12 windows, 3 x 2 per forward
-            assert calls == [0] * position[layer.index] + [forwards] * (len(stack) - position[layer.index])
+            # sdpa returns no attention weights: the first layer run replays its attention's output; gpt-oss's
+            # eager attention (its sinks) returns weights a hook could read, so it runs
+            first = position[layer.index] + (model.config._attn_implementation == "sdpa")
+            assert calls == [0] * first + [forwards] * (len(stack) - first)
+            assert reused._recorded[0][1].attention_complete == (model.config._attn_implementation == "sdpa")
 
 
 def test_reuse_needs_the_baselines_windows_and_stops_early_as_the_whole_forward():
@@ -78,8 +84,11 @@ def test_a_record_over_its_bytes_keeps_every_mth_layer():
     rows, length = 8, 10
     assert PrefixRecord(model, rows, length).starts == [1, 2]
     one_layer = rows * length * model.config.hidden_size * 4
-    thin = PrefixRecord(model, rows, length, max_bytes=one_layer)
-    assert thin.starts == [2]
+    # each start keeps its input and its attention's output, layer 0 its attention's: 5 layers' worth for
+    # both starts, 3 for every second one
+    assert PrefixRecord(model, rows, length, max_bytes=5 * one_layer).starts == [1, 2]
+    thin = PrefixRecord(model, rows, length, max_bytes=3 * one_layer)
+    assert thin.starts == [2] and list(thin.attention) == [0, 2]
     thin.complete = True
     assert thin.start_for(1) == 0 and thin.start_for(2) == 2 and thin.start_for(None) == 2
     assert PrefixRecord(model, rows, length).start_for(2) == 0  # nothing recorded yet

@@ -82,5 +82,24 @@ int NAME(const ID_T *ids, ID_T *out, int64_t T, int64_t K, int64_t E, int64_t S,
 DEFINE_REROUTE(sere_reroute_i32, int32_t)
 DEFINE_REROUTE(sere_reroute_i64, int64_t)
 
+/* G independent calls of T rows each, stacked ([G, T, K] ids, [G, T, K] rank values, [G, T] valid
+ * and free rows): the op's batching rule (many small decode batches routed at once) in one call
+ * instead of G, each group by the kernel above. */
+#define DEFINE_REROUTE_GROUPS(NAME, ONE, ID_T)                                                  \
+int NAME(const ID_T *ids, ID_T *out, int64_t G, int64_t T, int64_t K, int64_t E, int64_t S,  \
+         const float *sim, const int32_t *cand, float rho, const float *rank,                 \
+         const uint8_t *valid, const uint8_t *free_rows) {                                     \
+    for (int64_t g = 0; g < G; ++g) {                                                          \
+        int rc = ONE(ids + g * T * K, out + g * T * K, T, K, E, S, sim, cand, rho,             \
+                     rank ? rank + g * T * K : 0, valid ? valid + g * T : 0,                   \
+                     free_rows ? free_rows + g * T : 0);                                       \
+        if (rc) return rc;                                                                     \
+    }                                                                                          \
+    return 0;                                                                                  \
+}
+
+DEFINE_REROUTE_GROUPS(sere_reroute_groups_i32, sere_reroute_i32, int32_t)
+DEFINE_REROUTE_GROUPS(sere_reroute_groups_i64, sere_reroute_i64, int64_t)
+
 int sere_max_experts(void) { return MAX_EXPERTS; }
 int sere_max_slots(void) { return MAX_SLOTS; }

@@ -36,6 +36,7 @@ _LIB: ctypes.CDLL | None | bool = None  # None: not tried yet; False: could not 
 _CACHE: dict[tuple, tuple] = {}
 _CACHE_SIZE = 256
 _FNS: dict[torch.dtype, object] = {}  # ids dtype -> kernel
+_GROUP_FNS: dict[torch.dtype, object] = {}  # ids dtype -> the kernel over stacked groups
 _MAX = [0, 0]  # experts and slots the kernel takes at most (0 until built)
 
 
@@ -74,7 +75,10 @@ def _library():
                     ctypes.c_void_p]
             for fn in (lib.sere_reroute_i32, lib.sere_reroute_i64):
                 fn.argtypes, fn.restype = args, ctypes.c_int
+            for fn in (lib.sere_reroute_groups_i32, lib.sere_reroute_groups_i64):
+                fn.argtypes, fn.restype = args[:2] + [ctypes.c_int64] + args[2:], ctypes.c_int
             _FNS.update({torch.int32: lib.sere_reroute_i32, torch.int64: lib.sere_reroute_i64})
+            _GROUP_FNS.update({torch.int32: lib.sere_reroute_groups_i32, torch.int64: lib.sere_reroute_groups_i64})
             _MAX[:] = [lib.sere_max_experts(), lib.sere_max_slots()]
             _LIB = lib
         except (OSError, RuntimeError) as exc:
@@ -131,6 +135,21 @@ def launch(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
     return out
 
 
+def launch_groups(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
+                  rank_values: torch.Tensor | None, valid_rows: torch.Tensor | None,
+                  free_rows: torch.Tensor | None) -> torch.Tensor:
+    """``launch`` on each of ``G`` stacked calls in one kernel call: ``topk_ids [G, T, K]``, ``rank_values
+    [G, T, K]``, ``valid_rows`` / ``free_rows [G, T]`` (contiguous, no checks; ``fits(E, K)``)."""
+    sim, cand = candidates(similarity)
+    out = torch.empty_like(topk_ids)
+    g, t, k = topk_ids.shape
+    _GROUP_FNS[topk_ids.dtype](
+        topk_ids.data_ptr(), out.data_ptr(), g, t, k, sim.shape[0], S, sim.data_ptr(), cand.data_ptr(), rho,
+        None if rank_values is None else rank_values.data_ptr(), None if valid_rows is None else valid_rows.data_ptr(),
+        None if free_rows is None else free_rows.data_ptr())
+    return out
+
+
 def _contiguous(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     if t is None:
         return None
@@ -146,6 +165,15 @@ def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float
     when ``fits(E, K)``."""
     return launch(_contiguous(topk_ids), similarity, S, rho, _contiguous(rank_values, torch.float32),
                   _contiguous(valid_rows), _contiguous(free_rows))
+
+
+def reroute_groups(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
+                   rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
+                   free_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``reroute`` on each of ``G`` stacked calls (``topk_ids [G, T, K]``, the optional tensors stacked the
+    same way), one kernel call for all; call only when ``fits(E, K)``."""
+    return launch_groups(_contiguous(topk_ids), similarity, S, rho, _contiguous(rank_values, torch.float32),
+                         _contiguous(valid_rows), _contiguous(free_rows))
 
 
 # --- the engine's native op ------------------------------------------------------------------
