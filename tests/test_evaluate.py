@@ -357,6 +357,37 @@ def test_decode_scores_names_a_bad_nll_switch():
         decode_scores(model, windows, batch_size=2, prefill=2, progress=False, nll="no")
 
 
+@pytest.mark.parametrize("owned", [False, True])
+def test_top1_hits_are_argmaxs_with_ties_infinities_and_nans(owned):
+    """``top1_hits`` decides from a max what ``argmax == target`` decides, on logits with ties at the
+    maximum (before and after the target), +-inf, NaNs (at, before and after the target), and rows of
+    -inf only; the logits come back as they were."""
+    from sere_fx.evaluate import top1_hits
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 400, 12
+    logits = torch.round(torch.randn(rows, vocab, generator=g) * 2) / 2  # few distinct values: many ties
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    special = torch.rand(rows, vocab, generator=g)
+    logits[special < 0.02] = float("nan")
+    logits[(special > 0.02) & (special < 0.04)] = float("inf")
+    logits[(special > 0.04) & (special < 0.06)] = float("-inf")
+    logits[:10] = float("-inf")
+    top = logits.nan_to_num(nan=-1e9).amax(-1)
+    targets[10:60] = (logits[10:60] == top[10:60, None]).int().argmax(-1)  # the target at the maximum: ties decide
+    logits[60:80] = torch.randn(20, vocab, generator=g).clamp(max=2.5)  # finite, below the tie
+    logits[60:80, 0] = 3.0  # a tie at the maximum before the target
+    targets[60:80] = torch.randint(1, vocab, (20,), generator=g)
+    logits[60:80] = logits[60:80].scatter(-1, targets[60:80, None], 3.0)
+    expected = logits.argmax(-1) == targets
+    assert 0 < int(expected.sum()) < rows and bool(logits[60:80].argmax(-1).eq(0).all())
+    before = logits.clone()
+    for shape in ((rows, vocab), (20, 20, vocab)):  # [rows, V] and [B, T, V]
+        got = top1_hits(logits.view(shape), targets.view(shape[:-1]), owned=owned)
+        assert got.dtype == torch.bool and torch.equal(got.flatten(), expected)
+    assert torch.equal(logits.isnan(), before.isnan()) and torch.equal(logits.nan_to_num(0), before.nan_to_num(0))
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_parallel_decode_runs_the_experts_in_chunks_with_the_same_scores(family, monkeypatch):
     """The whole-window forward's experts run on at most ``EXPERT_TOKENS`` rows at a time: the same
