@@ -370,6 +370,213 @@ def _candidate_jobs(layers, candidates, matrices, defaults) -> list[tuple[int, R
     return jobs
 
 
+class _Search:
+    """What the steps of ``tune`` share: the scorer and its baseline, how a plan's experts are counted and
+    its loss judged against the budget, every whole plan measured so far, and the pass counts."""
+
+    def __init__(self, scorer, windows: torch.Tensor, base: DecodeScores, *, metric: str, max_loss: float | None,
+                 max_experts: float | None, margin: float, placement: Placement | None, early_stop: bool, prune: bool,
+                 bar):
+        self.scorer, self.windows, self.base, self.metric = scorer, windows, base, metric
+        self.max_loss, self.margin, self.placement, self.bar = max_loss, margin, placement, bar
+        self.offloaded = base.cache is not None  # the cost is what the cache fetches, not what the batch reads
+        self.stops = early_stop and max_experts is None and getattr(scorer, "stops_early", False)
+        self.pruning = prune and max_experts is None and not self.offloaded
+        self.base_distinct = self.mean_count(base)
+        self.target = None if max_experts is None else max_experts * self.base_distinct  # mean distinct per layer
+        # Every plan measured, by its place in the exhaustive order (the untouched model, the uniform plans, then
+        # the search's rounds): the best is the first ``better`` one in that order whatever order they ran in, so
+        # uniform plans run after the search (``prune``) still win the ties they win when run first.
+        self.measured: list[tuple[int, tuple]] = []
+        self.tried: dict[tuple, DecodeScores] = {}  # whole plans scored, by their sorted items
+        self.passes = [0, 0, 0]  # run, stopped early, skipped
+
+    def count(self, s: DecodeScores, index: int) -> float:
+        """One layer's experts: all, the busiest rank's, or fetched."""
+        if self.offloaded:
+            return _fetches(s, index)
+        return s.distinct[index] if self.placement is None else s.rank_distinct[index]
+
+    def mean_count(self, s: DecodeScores) -> float:
+        if self.offloaded:
+            return sum(_fetches(s, layer.index) for layer in self.scorer.layers) / len(self.scorer.layers)
+        return s.mean_distinct if self.placement is None else s.mean_rank_distinct
+
+    def run(self, plan: dict[int, RoutingConfig], on: torch.Tensor | None = None,
+            against: DecodeScores | None = None) -> DecodeScores | None:
+        """``plan`` scored on ``on`` (default the windows); with ``against`` (the baseline on ``on``), None once
+        out of budget."""
+        on = self.windows if on is None else on
+        self.passes[0] += 1
+        if against is None or not self.stops:
+            return self.scorer(plan, on)
+        s = self.scorer(plan, on, stop=_out_of_budget(against, self.metric, self.max_loss))
+        self.passes[1] += s is None
+        return s
+
+    def loss(self, s: DecodeScores) -> float:
+        return _loss(self.base, s, self.metric)
+
+    def bound(self, loss: float, s: DecodeScores) -> float:
+        """The loss a plan is held to: its measured loss plus ``margin`` standard errors."""
+        return loss + self.margin * _paired_se(self.base, s, self.base, self.metric) if self.margin else loss
+
+    def better(self, loss: float, s: DecodeScores, than) -> bool:
+        """Within the budget, and better than ``than`` (None: nothing yet) at the tuned goal."""
+        if self.target is None:
+            return self.bound(loss, s) <= self.max_loss and (than is None or self.mean_count(s) < self.mean_count(than[2]))
+        return (self.mean_count(s) <= self.target + 1e-9
+                and (than is None or (loss, self.mean_count(s)) < (than[1], self.mean_count(than[2]))))
+
+    def keep(self, rank: int, plan, s: DecodeScores, loss: float | None = None) -> None:
+        """Record a measured whole plan at ``rank`` (its place in the exhaustive order)."""
+        self.measured.append((rank, (plan, self.loss(s) if loss is None else loss, s)))
+
+    def best_so_far(self):
+        """``(plan, loss, scores)`` of the best plan measured, or None."""
+        found = None
+        for _, entry in sorted(self.measured, key=lambda m: m[0]):
+            if self.better(entry[1], entry[2], found):
+                found = entry
+        return found
+
+
+@dataclass
+class _Probed:
+    """Step 1's findings: per layer the probes kept (the untouched setting first), the (layer, setting)
+    pairs stopped early, and the experts each probed or skipped setting reads (at least)."""
+    options: dict[int, list[Probe]]
+    dropped: set
+    reads: dict
+
+
+def _probe_layers(search: _Search, jobs, untouched: dict[int, RoutingConfig], windows: torch.Tensor) -> _Probed:
+    """Step 1: every candidate on one layer at a time, the other layers untouched, on ``windows`` (the
+    probe windows) against a baseline of the same windows."""
+    base = search.base if windows is search.windows else search.scorer(None, windows)
+    options = {layer.index: [Probe(layer.index, untouched[layer.index], 0.0, search.count(base, layer.index))]
+               for layer in search.scorer.layers}
+    found = _Probed(options, set(), {})
+    free = {layer.index: [] for layer in search.scorer.layers}  # ``_dominated``'s settings: probed at no loss
+    for index, lp in jobs:
+        search.bar.update(1)
+        least = _dominated(lp, free[index]) if search.pruning else None
+        if least is not None:
+            found.reads[(index, lp)] = least
+            search.passes[2] += 1
+            continue
+        s = search.run({**untouched, index: lp}, windows, against=base)
+        if s is None:  # alone out of the whole budget
+            found.dropped.add((index, lp))
+            continue
+        probe = Probe(index, lp, _loss(base, s, search.metric), search.count(s, index))
+        options[index].append(probe)
+        found.reads[(index, lp)] = probe.distinct
+        if probe.loss <= 0 and _nested(lp) is not None:
+            free[index].append((*_nested(lp), probe.distinct))
+    return found
+
+
+class _UniformPlans:
+    """Step 4's plans, one candidate on every layer, each run once: all before the search, or with
+    ``prune`` when the search picks one and after the search the rest that could still be chosen."""
+
+    def __init__(self, search: _Search, plans: list[dict[int, RoutingConfig]], probed: _Probed):
+        if search.target is not None:
+            # A uniform plan whose probes already read more than the budget allows (summed over the
+            # layers, with a margin for layers interacting) cannot fit it: not worth a pass.
+            reads = {(p.layer, p.plan): p.distinct for ps in probed.options.values() for p in ps}
+            layers = len(search.scorer.layers)
+            fits = [plan for plan in plans if sum(reads[(i, lp)] for i, lp in plan.items()) <= 1.05 * search.target * layers]
+            search.bar.total -= len(plans) - len(fits)
+            plans = fits
+        self.search, self.probed = search, probed
+        self.count = len(plans)
+        self.plans = {tuple(sorted(plan.items())): (rank, plan) for rank, plan in enumerate(plans)}
+        self.done = set()  # keys run, or ruled out by a stopped probe
+
+    def run(self, key) -> None:
+        search = self.search
+        rank, plan = self.plans[key]
+        search.bar.update(1)
+        self.done.add(key)
+        # a layer's probe alone was out of the whole budget: the plan cannot be within it
+        s = None if search.stops and any(item in self.probed.dropped for item in plan.items()) else search.run(
+            plan, against=search.base)
+        if s is not None:
+            search.tried[key] = s
+            search.keep(rank, plan, s)
+
+    def run_all(self) -> None:
+        for key in self.plans:
+            self.run(key)
+
+    def run_rest(self) -> None:
+        """After the search (``prune``): the plans not run yet, but those whose probes already read more
+        than ``UNIFORM_MARGIN`` times the best plan found (a uniform plan is kept only when it reads fewer)."""
+        search = self.search
+        for key, (_, plan) in self.plans.items():
+            if key in self.done:
+                continue
+            least = sum(self.probed.reads[item] for item in plan.items() if item in self.probed.reads) / len(plan)
+            best = search.best_so_far()
+            if best is not None and least > UNIFORM_MARGIN * search.mean_count(best[2]):
+                search.bar.update(1)  # reads more than the best plan found: cannot be chosen
+                search.passes[2] += 1
+                continue
+            self.run(key)
+
+
+def _search_budget(search: _Search, options: dict[int, list[Probe]], uniform: _UniformPlans, verify_rounds: int) -> int:
+    """Steps 2 and 3: the knapsack's plan at an internal budget, measured whole, the budget moved toward the
+    one whose whole plan just meets the real budget; ``verify_rounds`` at most. Returns the rounds run."""
+    layers = len(search.scorer.layers)
+    budget = search.max_loss if search.target is None else search.target * layers
+    rounds = 0
+    while rounds < verify_rounds:
+        rounds += 1
+        picks = _choose(options, budget) if search.target is None else _choose_within(options, budget)
+        if picks is None:
+            break
+        plan = {i: p.plan for i, p in picks.items()}
+        key = tuple(sorted(plan.items()))
+        if key in uniform.plans and key not in uniform.done:  # pruning: scored as the uniform plans are
+            uniform.run(key)
+        if key in search.tried:
+            break  # the search settled on a plan already measured
+        s = search.tried[key] = search.run(plan)
+        search.keep(uniform.count + rounds, plan, s)
+        search.bar.update(1)
+        if search.target is None:
+            # secant step: the internal budget at which the whole plan would cost exactly max_loss
+            held = search.bound(search.loss(s), s)
+            scale = search.max_loss / held if held > 0 else 2.0
+            budget = budget * min(max(scale, 0.5), 2.0) * (0.98 if held > search.max_loss else 1.0)
+        else:
+            # layers interact: scale the summed per-layer budget by how far the whole plan missed
+            count = search.mean_count(s)
+            budget = budget * min(search.target / count, 1.05) * (0.99 if count > search.target else 1.0)
+    return rounds
+
+
+def _best_plan(search: _Search, best_uniform, max_experts: float | None):
+    """The plan ``tune`` returns, ``(plan, loss, scores)``: the best measured; for an expert budget the best
+    uniform plan instead where the per-layer plan is not better by more than the text can tell apart."""
+    best = search.best_so_far()
+    if best is None:
+        smallest = min(search.mean_count(s) for s in search.tried.values()) if search.tried else search.base_distinct
+        raise ArgumentValueError("max_experts", f"max_experts: no plan of these candidates reads at most {max_experts:g} of the baseline's "
+                         f"{search.base_distinct:.1f} experts per layer (the fewest measured: {smallest:.1f}); allow more "
+                         f"experts or add candidates that read fewer, e.g. ('oea', 1, None)")
+    if search.target is not None and best is not best_uniform and best_uniform is not None:
+        # A per-layer plan must beat the best uniform plan by more than the tuning text can
+        # tell apart (one standard error of the paired per-sequence difference): per-layer
+        # gains below that have not carried over to held-out text (bench/RESULTS.md).
+        if best_uniform[1] - best[1] <= _paired_se(search.base, best[2], best_uniform[2], search.metric):
+            return best_uniform
+    return best
+
+
 def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None = None,
          max_experts: float | None = None, metric: str = "nll", candidates=None, batch_size: int = 32,
          prefill: int = 4, max_tokens: int | None = None, verify_rounds: int = 8, progress: bool = True,
@@ -432,173 +639,30 @@ def tune(model: nn.Module, sim, windows: torch.Tensor, *, max_loss: float | None
     check_layers(placement, layers)
     matrices = resolve(sim, layers)
     base = scorer(None, windows)
-
-    offloaded = base.cache is not None  # the cost is what the cache fetches, not what the batch reads
-
-    def count(s: DecodeScores, index: int) -> float:  # one layer's experts: all, the busiest rank's, or fetched
-        if offloaded:
-            return _fetches(s, index)
-        return s.distinct[index] if placement is None else s.rank_distinct[index]
-
-    def mean_count(s: DecodeScores) -> float:
-        if offloaded:
-            return sum(_fetches(s, layer.index) for layer in layers) / len(layers)
-        return s.mean_distinct if placement is None else s.mean_rank_distinct
-
-    untouched = {layer.index: SereConfig(S=layer.top_k, rho=0.0) for layer in layers}  # S = K: identity
-
-    stops = early_stop and max_experts is None and getattr(scorer, "stops_early", False)
-    pruning = prune and max_experts is None and not offloaded
-    count_passes = [0, 0, 0]  # run, stopped early, skipped
-
-    def run(plan: dict[int, RoutingConfig], on: torch.Tensor = windows, against: DecodeScores | None = None):
-        """``plan`` scored on ``on``; with ``against`` (the baseline on ``on``), None once out of budget."""
-        count_passes[0] += 1
-        if against is None or not stops:
-            return scorer(plan, on)
-        s = scorer(plan, on, stop=_out_of_budget(against, metric, max_loss))
-        count_passes[1] += s is None
-        return s
-
-    probe_windows = windows if probe_sequences in (None, n) else windows[:probe_sequences]
-    probe_base = base if probe_windows is windows else scorer(None, probe_windows)
-
-    # step 1: probe every candidate on one layer at a time
-    options = {layer.index: [Probe(layer.index, untouched[layer.index], 0.0, count(probe_base, layer.index))]
-               for layer in layers}
+    offloaded = base.cache is not None
     jobs = _candidate_jobs(layers, candidates, matrices,
                            lambda layer: (offload_candidates(bool(sim.predictors)) if offloaded else default_candidates(
                                layer.top_k, placement=placement, predictors=bool(sim.predictors))))
     uniform = _uniform_plans(jobs, layers)
     bar = tqdm(total=len(jobs) + len(uniform) + verify_rounds, desc="tune", unit="pass", disable=not progress)
-    dropped = set()  # (layer, setting) stopped early: alone out of the whole budget
-    reads = {}  # (layer, setting) -> the layer's experts it reads (at least, where it was not probed)
-    free = {layer.index: [] for layer in layers}  # ``_dominated``'s settings: probed at no loss, by layer
-    for index, lp in jobs:
-        bar.update(1)
-        least = _dominated(lp, free[index]) if pruning else None
-        if least is not None:
-            reads[(index, lp)] = least
-            count_passes[2] += 1
-            continue
-        s = run({**untouched, index: lp}, probe_windows, against=probe_base)
-        if s is None:
-            dropped.add((index, lp))
-            continue
-        probe = Probe(index, lp, _loss(probe_base, s, metric), count(s, index))
-        options[index].append(probe)
-        reads[(index, lp)] = probe.distinct
-        if probe.loss <= 0 and _nested(lp) is not None:
-            free[index].append((*_nested(lp), probe.distinct))
-    base_distinct = mean_count(base)
-    # uniform plans (step 4), then the knapsack's plans with the budget searched (steps 2 and 3)
-    target = None if max_experts is None else max_experts * base_distinct  # mean distinct per layer
-
-    def bound(loss: float, s: DecodeScores) -> float:
-        """The loss a plan is held to: its measured loss plus ``margin`` standard errors."""
-        return loss + margin * _paired_se(base, s, base, metric) if margin else loss
-
-    def better(loss: float, s: DecodeScores, than) -> bool:
-        """Within the budget, and better than ``than`` (None: nothing yet) at the tuned goal."""
-        if target is None:
-            return bound(loss, s) <= max_loss and (than is None or mean_count(s) < mean_count(than[2]))
-        return mean_count(s) <= target + 1e-9 and (than is None or (loss, mean_count(s)) < (than[1], mean_count(than[2])))
-
-    # Every plan measured, by its place in the exhaustive order (the untouched model, the uniform plans, then
-    # the search's rounds): the best is the first ``better`` one in that order whatever order they ran in, so
-    # uniform plans run after the search (``prune``) still win the ties they win when run first.
-    measured: list[tuple[int, tuple]] = []
-
-    def best_so_far():
-        found = None
-        for _, entry in sorted(measured, key=lambda m: m[0]):
-            if better(entry[1], entry[2], found):
-                found = entry
-        return found
-
-    def keep(rank: int, plan, loss: float, s: DecodeScores):
-        measured.append((rank, (plan, loss, s)))
-
-    # the untouched model is always within a quality budget, never within an expert budget < 1
-    keep(-1, untouched, 0.0, base)
-    tried = {}
-    if target is not None:
-        # A uniform plan whose probes already read more than the budget allows (summed over the
-        # layers, with a margin for layers interacting) cannot fit it: not worth a pass.
-        probed = {(p.layer, p.plan): p.distinct for ps in options.values() for p in ps}
-        fits = [plan for plan in uniform
-                if sum(probed[(i, lp)] for i, lp in plan.items()) <= 1.05 * target * len(layers)]
-        bar.total -= len(uniform) - len(fits)
-        uniform = fits
-    uniform_plans = {tuple(sorted(plan.items())): (rank, plan) for rank, plan in enumerate(uniform)}
-    uniform_done = set()  # keys of the uniform plans run, or ruled out by a stopped probe
-
-    def run_uniform(key):
-        rank, plan = uniform_plans[key]
-        bar.update(1)
-        uniform_done.add(key)
-        # a layer's probe alone was out of the whole budget: the plan cannot be within it
-        s = None if stops and any(item in dropped for item in plan.items()) else run(plan, against=base)
-        if s is not None:
-            tried[key] = s
-            keep(rank, plan, _loss(base, s, metric), s)
-
-    if not pruning:
-        for key in uniform_plans:
-            run_uniform(key)
-    best_uniform = best_so_far()
-    budget = max_loss if target is None else target * len(layers)
-    rounds = 0
-    while rounds < verify_rounds:
-        rounds += 1
-        picks = _choose(options, budget) if target is None else _choose_within(options, budget)
-        if picks is None:
-            break
-        plan = {i: p.plan for i, p in picks.items()}
-        key = tuple(sorted(plan.items()))
-        if key in uniform_plans and key not in uniform_done:  # pruning: scored as the uniform plans are
-            run_uniform(key)
-        if key in tried:
-            break  # the search settled on a plan already measured
-        s = tried[key] = run(plan)
-        loss = _loss(base, s, metric)
-        keep(len(uniform) + rounds, plan, loss, s)
-        bar.update(1)
-        if target is None:
-            # secant step: the internal budget at which the whole plan would cost exactly max_loss
-            held = bound(loss, s)
-            scale = max_loss / held if held > 0 else 2.0
-            budget = budget * min(max(scale, 0.5), 2.0) * (0.98 if held > max_loss else 1.0)
-        else:
-            # layers interact: scale the summed per-layer budget by how far the whole plan missed
-            budget = budget * min(target / mean_count(s), 1.05) * (0.99 if mean_count(s) > target else 1.0)
-    for key, (_, plan) in uniform_plans.items():  # pruning: the uniform plans not run yet, after the search
-        if key in uniform_done:
-            continue
-        least = sum(reads[item] for item in plan.items() if item in reads) / len(plan)
-        best = best_so_far()
-        if best is not None and least > UNIFORM_MARGIN * mean_count(best[2]):
-            bar.update(1)  # reads more than the best plan found: cannot be chosen
-            count_passes[2] += 1
-            continue
-        run_uniform(key)
+    search = _Search(scorer, windows, base, metric=metric, max_loss=max_loss, max_experts=max_experts, margin=margin,
+                     placement=placement, early_stop=early_stop, prune=prune, bar=bar)
+    untouched = {layer.index: SereConfig(S=layer.top_k, rho=0.0) for layer in layers}  # S = K: identity
+    # step 1: every candidate on one layer at a time
+    probed = _probe_layers(search, jobs, untouched, windows if probe_sequences in (None, n) else windows[:probe_sequences])
+    search.keep(-1, untouched, base, loss=0.0)  # within any quality budget, never within an expert budget < 1
+    # step 4 (uniform plans) first, or with ``prune`` as the search meets them and after it; steps 2 and 3
+    plans = _UniformPlans(search, uniform, probed)
+    if not search.pruning:
+        plans.run_all()
+    best_uniform = search.best_so_far()
+    rounds = _search_budget(search, probed.options, plans, verify_rounds)
+    plans.run_rest()
     bar.close()
-    best = best_so_far()
-    if best is None:
-        smallest = min(mean_count(s) for s in tried.values()) if tried else base_distinct
-        raise ArgumentValueError("max_experts", f"max_experts: no plan of these candidates reads at most {max_experts:g} of the baseline's "
-                         f"{base_distinct:.1f} experts per layer (the fewest measured: {smallest:.1f}); allow more "
-                         f"experts or add candidates that read fewer, e.g. ('oea', 1, None)")
-    if target is not None and best is not best_uniform and best_uniform is not None:
-        # A per-layer plan must beat the best uniform plan by more than the tuning text can
-        # tell apart (one standard error of the paired per-sequence difference): per-layer
-        # gains below that have not carried over to held-out text (bench/RESULTS.md).
-        if best_uniform[1] - best[1] <= _paired_se(base, best[2], best_uniform[2], metric):
-            best = best_uniform
-    plan, loss, s = best
-    return TuneResult(plan, loss, mean_count(s), base_distinct, metric, max_loss,
-                      [p for ps in options.values() for p in ps], rounds, max_experts, placement, offloaded,
-                      count_passes[0], count_passes[1], count_passes[2])
+    plan, loss, s = _best_plan(search, best_uniform, max_experts)
+    return TuneResult(plan, loss, search.mean_count(s), search.base_distinct, metric, max_loss,
+                      [p for ps in probed.options.values() for p in ps], rounds, max_experts, placement, offloaded,
+                      *search.passes)
 
 
 # --- plans that follow the load --------------------------------------------------------------
