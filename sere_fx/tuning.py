@@ -39,7 +39,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sere_fx.config import OFF, OEAConfig, OutputConfig, Quantile, RoutingConfig, SereConfig, WeightConfig, config, is_exact
-from sere_fx.discovery import find_moe_layers
+from sere_fx.discovery import find_moe_layers, reusing
 from sere_fx.errors import ArgumentValueError
 from sere_fx.evaluate import DecodeScores, decode_scores
 from sere_fx.expert_cache import is_offloaded
@@ -274,7 +274,9 @@ class ModelScorer:
     A baseline pass records the MoE decoder layers' inputs (``sere_fx.prefix``): a later plan on the same
     windows that routes its first layers as the model does starts its forwards at the first layer it changes
     (``reuse_prefix``; a probe of the last of four layers runs one layer's experts and the head: that
-    layer's attention output is the baseline's, recorded too). ``nll=False``: top-1 counts
+    layer's attention output is the baseline's, recorded too). Each pass's ``transform`` rewrites copies of
+    the routers found when the scorer was made (``discovery.reusing``): the model's routers must not change
+    while the scorer is in use. ``nll=False``: top-1 counts
     only, the NLL NaN (``decode_scores``: what ``tune`` scores with ``metric="accuracy"``)."""
 
     def __init__(self, model: nn.Module, sim, *, batch_size: int, prefill: int, max_tokens: int | None,
@@ -305,7 +307,8 @@ class ModelScorer:
         # a layer that keeps every token's experts is scored off: the same routing without the op's work
         # (a third of a pass on the test-bed when three of four layers are untouched)
         plan = {i: OFF if is_exact(c, self._top_k[i]) else c for i, c in plan.items()}
-        transform(self.model, self.sim, plan=plan, max_tokens=self.max_tokens)
+        with reusing(self.model, self.layers):  # the routers as found when the scorer was made: not traced again
+            transform(self.model, self.sim, plan=plan, max_tokens=self.max_tokens)
         try:
             # ``topk`` leaves fewer slots than prompt rows have: those plans decode step by step
             parallel = self.kw["parallel"] and all(getattr(c, "policy", None) != "topk" for c in plan.values())

@@ -270,3 +270,43 @@ def test_ranges_route_each_call_as_its_range_alone(tmp_path):
     counts = {i: s.range_calls for i, s in sere_fx.routing_stats(ranged).items()}
     assert all(c == {1: 2, 4: 2, 8: 2} for c in counts.values()), counts
     assert ranged.sere_settings.as_dict()["layers"]["1"]["ranges"][2] == {"min_rows": 8, "policy": "off"}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_transforms_under_reusing_rewrite_copies_of_the_routers_found_before(family, monkeypatch):
+    """``discovery.reusing`` (what ``tune``'s scorer wraps each pass's ``transform`` in): ``find_moe_layers``
+    hands out copies of the layers found before, no router traced again, each with a graph of its own and
+    its routing site on that graph's nodes; transforms under it, one plan after another, give the logits of
+    transforms that traced, and the layers found before keep their graphs as they were."""
+    import sere_fx.discovery as discovery
+
+    model = tiny_model(family, seed=1)
+    layers = find_moe_layers(model)
+    sim = random_similarity(layers, seed=0)
+    tokens = torch.randint(3, 90, (4, 7), generator=torch.Generator().manual_seed(0))
+    # deepseek_v3's router gathers its weights by index: index policies only there
+    middle = sere_fx.OEAConfig(S=2) if family == "qwen3_moe" else sere_fx.SereConfig(S=2, rho=0.0)
+    plans = [sere_fx.SereConfig(S=1, rho=0.0), middle, sere_fx.SereConfig(S=1, rho=0.5)]
+    expected = []
+    with torch.no_grad():
+        for c in plans:
+            sere_fx.transform(model, sim, c, max_tokens=None)
+            expected.append(model(input_ids=tokens).logits)
+            sere_fx.restore(model)
+        assert not torch.equal(expected[0], expected[1]) and not torch.equal(expected[1], expected[2])
+        nodes = [[n.format_node() for n in layer.graph.nodes] for layer in layers]
+        traced = []
+        trace = discovery.trace_module
+        monkeypatch.setattr(discovery, "trace_module", lambda m: traced.append(m) or trace(m))
+        with discovery.reusing(model, layers):
+            a, b = find_moe_layers(model), find_moe_layers(model)
+            assert all(x.graph is not y.graph and x.graph is not l.graph for x, y, l in zip(a, b, layers))
+            assert all(x.site.topk.graph is x.graph and x.site.indices.graph is x.graph for x in a)
+            for c, want in zip(plans, expected):
+                sere_fx.transform(model, sim, c, max_tokens=None)
+                assert torch.equal(model(input_ids=tokens).logits, want)
+                sere_fx.restore(model)
+        assert not traced
+        assert [[n.format_node() for n in layer.graph.nodes] for layer in layers] == nodes
+        find_moe_layers(model)  # outside: traced again
+        assert len(traced) >= len(layers)  # every router (and any other child of the block) traced
