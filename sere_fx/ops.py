@@ -189,6 +189,13 @@ def _eager_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and eager(t)
 
 
+def _c_kernel_takes(topk_ids: torch.Tensor, similarity: torch.Tensor) -> bool:
+    """Whether ``reroute_kernel`` gives a call on these ids (``[..., T, K]``) to the C kernel: a real CPU tensor
+    within the kernel's sizes, not sent to Triton."""
+    return (not (reroute_triton.AVAILABLE and _FORCE_TRITON) and _eager_cpu(topk_ids)
+            and reroute_cpu.fits(similarity.shape[0], topk_ids.shape[-1]))
+
+
 def reroute_kernel(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
                    rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
                    free_rows: torch.Tensor | None = None, wrap=lambda kernel: kernel) -> torch.Tensor:
@@ -198,7 +205,7 @@ def reroute_kernel(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho
         return topk_ids.clone()
     if reroute_triton.AVAILABLE and (topk_ids.is_cuda or _FORCE_TRITON):
         return reroute_triton.launch(wrap, topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows)
-    if _eager_cpu(topk_ids) and reroute_cpu.fits(similarity.shape[0], topk_ids.shape[1]):
+    if _c_kernel_takes(topk_ids, similarity):
         return reroute_cpu.reroute(topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows)
     return reroute_aten(topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows)
 
@@ -230,10 +237,9 @@ def _(info, in_dims, topk_ids, similarity, S, rho, rank_values=None, valid_rows=
     # forward: ~20 ms of per-call overhead otherwise); elsewhere one call each.
     tensors = (topk_ids, similarity, rank_values, valid_rows, free_rows)
     dims = tuple(in_dims[:2]) + tuple(in_dims[4:]) + (None,) * (7 - len(in_dims))
-    if (dims[0] == 0 and dims[1] is None and all(t is None or d == 0 for t, d in zip(tensors[2:], dims[2:]))
-            and S < topk_ids.shape[-1] and topk_ids.shape[1] > 0 and not (reroute_triton.AVAILABLE and _FORCE_TRITON)
-            and _eager_cpu(topk_ids) and reroute_cpu.fits(similarity.shape[0], topk_ids.shape[-1])):
-        return reroute_cpu.reroute_groups(topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows), 0
+    stacked = dims[0] == 0 and dims[1] is None and all(t is None or d == 0 for t, d in zip(tensors[2:], dims[2:]))
+    if stacked and S < topk_ids.shape[-1] and topk_ids.shape[1] > 0 and _c_kernel_takes(topk_ids, similarity):
+        return reroute_cpu.reroute(topk_ids, similarity, S, rho, rank_values, valid_rows, free_rows), 0
 
     def pick(i: int):
         return [t if d is None or t is None else t.select(d, i) for t, d in zip(tensors, dims)]

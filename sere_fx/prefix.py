@@ -139,8 +139,8 @@ class PrefixRecord:
         forward gets the baseline's k-th) instead of computing, and the attention of layer ``start`` hands
         on the baseline's output (where recorded); ``start`` 0 with no attention recorded: nothing changes."""
         recorded, forwards = self.inputs.get(start, []), [0]
-        attended, attention_calls = self.attention.get(start) if self.attention_complete else None, [0]
-        attention = attention_of(self.stack[start]) if attended else None
+        attended = self.attention.get(start) if self.attention_complete else None
+        attention, attention_calls = attention_of(self.stack[start]) if attended else None, [0]
 
         def skip(position):
             def forward(hidden_states, *args, **kwargs):

@@ -276,8 +276,8 @@ class ModelScorer:
     (``reuse_prefix``; a probe of the last of four layers runs one layer's experts and the head: that
     layer's attention output is the baseline's, recorded too). Each pass's ``transform`` rewrites copies of
     the routers found when the scorer was made (``discovery.reusing``): the model's routers must not change
-    while the scorer is in use. ``nll=False``: top-1 counts
-    only, the NLL NaN (``decode_scores``: what ``tune`` scores with ``metric="accuracy"``)."""
+    while the scorer is in use. ``nll=False``: top-1 counts only, the NLL NaN (``decode_scores``: what
+    ``tune`` scores with ``metric="accuracy"``)."""
 
     def __init__(self, model: nn.Module, sim, *, batch_size: int, prefill: int, max_tokens: int | None,
                  placement: Placement | None, pack: int = 1, reuse_prefix: bool = True, nll: bool = True):

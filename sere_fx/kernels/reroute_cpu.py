@@ -124,29 +124,19 @@ def launch(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
     """The kernel on contiguous CPU tensors, no checks: ``topk_ids`` int32/int64 ``[T, K]``,
     ``rank_values`` float32 ``[T, K]``, ``valid_rows`` / ``free_rows`` bool with at least ``T``
     entries (only the first ``T`` are read, so an engine passes its persistent row buffers
-    without slicing them); ``fits(E, K)``."""
+    without slicing them); ``fits(E, K)``. Or ``G`` independent calls stacked, each by the same kernel,
+    in one kernel call: ``topk_ids`` / ``rank_values [G, T, K]``, ``valid_rows`` / ``free_rows [G, T]``
+    (the op's batching rule)."""
     sim, cand = candidates(similarity)
     out = torch.empty_like(topk_ids)
-    t, k = topk_ids.shape
-    fn = _FNS[topk_ids.dtype]
-    fn(topk_ids.data_ptr(), out.data_ptr(), t, k, sim.shape[0], S, sim.data_ptr(), cand.data_ptr(), rho,
-       None if rank_values is None else rank_values.data_ptr(), None if valid_rows is None else valid_rows.data_ptr(),
-       None if free_rows is None else free_rows.data_ptr())
-    return out
-
-
-def launch_groups(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
-                  rank_values: torch.Tensor | None, valid_rows: torch.Tensor | None,
-                  free_rows: torch.Tensor | None) -> torch.Tensor:
-    """``launch`` on each of ``G`` stacked calls in one kernel call: ``topk_ids [G, T, K]``, ``rank_values
-    [G, T, K]``, ``valid_rows`` / ``free_rows [G, T]`` (contiguous, no checks; ``fits(E, K)``)."""
-    sim, cand = candidates(similarity)
-    out = torch.empty_like(topk_ids)
-    g, t, k = topk_ids.shape
-    _GROUP_FNS[topk_ids.dtype](
-        topk_ids.data_ptr(), out.data_ptr(), g, t, k, sim.shape[0], S, sim.data_ptr(), cand.data_ptr(), rho,
-        None if rank_values is None else rank_values.data_ptr(), None if valid_rows is None else valid_rows.data_ptr(),
-        None if free_rows is None else free_rows.data_ptr())
+    *groups, t, k = topk_ids.shape
+    rest = (sim.shape[0], S, sim.data_ptr(), cand.data_ptr(), rho,
+            None if rank_values is None else rank_values.data_ptr(), None if valid_rows is None else valid_rows.data_ptr(),
+            None if free_rows is None else free_rows.data_ptr())
+    if groups:
+        _GROUP_FNS[topk_ids.dtype](topk_ids.data_ptr(), out.data_ptr(), groups[0], t, k, *rest)
+    else:
+        _FNS[topk_ids.dtype](topk_ids.data_ptr(), out.data_ptr(), t, k, *rest)
     return out
 
 
@@ -161,19 +151,11 @@ def _contiguous(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> tor
 def reroute(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
             rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
             free_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``sere.reroute`` for CPU tensors (same contract as ``sere_fx.ops.reroute_aten``); call only
+    """``sere.reroute`` for CPU tensors (same contract as ``sere_fx.ops.reroute_aten``), or for ``G`` stacked
+    calls (``topk_ids [G, T, K]``, the optional tensors stacked the same way) in one kernel call; call only
     when ``fits(E, K)``."""
     return launch(_contiguous(topk_ids), similarity, S, rho, _contiguous(rank_values, torch.float32),
                   _contiguous(valid_rows), _contiguous(free_rows))
-
-
-def reroute_groups(topk_ids: torch.Tensor, similarity: torch.Tensor, S: int, rho: float,
-                   rank_values: torch.Tensor | None = None, valid_rows: torch.Tensor | None = None,
-                   free_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``reroute`` on each of ``G`` stacked calls (``topk_ids [G, T, K]``, the optional tensors stacked the
-    same way), one kernel call for all; call only when ``fits(E, K)``."""
-    return launch_groups(_contiguous(topk_ids), similarity, S, rho, _contiguous(rank_values, torch.float32),
-                         _contiguous(valid_rows), _contiguous(free_rows))
 
 
 # --- the engine's native op ------------------------------------------------------------------
